@@ -1,0 +1,50 @@
+# spindle: `make run` serves a locally built demo model; `make test` runs the suite.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PROTO_SRC := $(wildcard protos/spindle/v1/*.proto)
+PROTO_OUT := shared/pb
+DEMO_MODEL := .models/demo-llama
+
+.PHONY: install protos run test lint bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU wheel first: a bare `torch` requirement would pull CUDA packages.
+	$(BIN)/pip install -q torch==2.13.0
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed protos
+
+# gRPC code is generated, never edited. protoc writes absolute imports (`from spindle.v1
+# import x_pb2`); the sed makes them package-relative so the code lives under shared/pb.
+protos: $(PROTO_OUT)/spindle/v1/.stamp
+$(PROTO_OUT)/spindle/v1/.stamp: $(PROTO_SRC) $(VENV)/.installed
+	mkdir -p $(PROTO_OUT)
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=$(PROTO_OUT) --pyi_out=$(PROTO_OUT) \
+		--grpc_python_out=$(PROTO_OUT) $(PROTO_SRC)
+	sed -i -E 's/^from spindle\.v1 import/from . import/' $(PROTO_OUT)/spindle/v1/*.py
+	touch $(PROTO_OUT)/__init__.py $(PROTO_OUT)/spindle/__init__.py $(PROTO_OUT)/spindle/v1/__init__.py
+	touch $@
+
+$(DEMO_MODEL)/config.json: | install
+	$(BIN)/python -m services.demo_model $(DEMO_MODEL)
+
+run: install $(DEMO_MODEL)/config.json
+	$(BIN)/spindle serve --model $(DEMO_MODEL)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+
+bench: install
+	$(BIN)/python -m benchmarks.run
+
+clean:
+	rm -rf $(VENV) $(PROTO_OUT) .models
