@@ -1,0 +1,93 @@
+"""The `spindle` command: `serve` runs all services; `frontend|scheduler|worker` runs one.
+
+Each service module (`services/<name>/__main__.py`) provides `add_arguments`,
+`config_from_args` and `serve`; this file only dispatches, so a service started alone (as on
+Kubernetes) and one started by `spindle serve` parse the same flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+import uvloop
+
+from shared.logs import setup_logging
+
+SERVICES = ("frontend", "scheduler", "worker")
+
+
+def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="model directory in Hugging Face layout")
+    parser.add_argument("--host", default=os.environ.get("SPINDLE_HOST", "0.0.0.0"), help="HTTP bind host")
+    parser.add_argument("--port", type=int, default=int(os.environ.get("SPINDLE_PORT", "8000")),
+                        help="OpenAI-compatible HTTP port")
+    parser.add_argument("--grpc-port", type=int, default=int(os.environ.get("SPINDLE_GRPC_PORT", "50051")),
+                        help="public gRPC port")
+    parser.add_argument("--workers", type=int, default=1, help="number of worker processes (data parallel)")
+    parser.add_argument("--served-model-name", default=None, help="model id clients use (default: dir name)")
+    parser.add_argument("--num-scheduler-steps", type=int, default=None,
+                        help="decode steps per scheduler round trip (multi-step)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="most sequences running at once")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
+    parser.add_argument("--attention-backend", default=None, help="auto | sdpa | naive | flash-attn")
+    parser.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
+    parser.add_argument("--device", default=None, help="auto | cpu | cuda")
+    parser.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache budget per CPU worker")
+    parser.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
+
+
+def _flags(args: argparse.Namespace, names: Sequence[str]) -> tuple[str, ...]:
+    """Turn the set serve options among `names` into `--flag value` pairs for a child."""
+    out: list[str] = []
+    for name in names:
+        value = getattr(args, name)
+        if value is not None:
+            out += [f"--{name.replace('_', '-')}", str(value)]
+    return tuple(out)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from services.launcher import Launcher, ServeConfig
+
+    worker_flags = ("attention_backend", "dtype", "device", "kv_cache_bytes", "block_size",
+                    "max_num_seqs", "max_num_batched_tokens")
+    scheduler_flags = ("num_scheduler_steps", "max_num_seqs", "max_num_batched_tokens")
+    try:
+        config = ServeConfig(
+            model=args.model, host=args.host, port=args.port, grpc_port=args.grpc_port,
+            num_workers=args.workers, served_model_name=args.served_model_name,
+            worker_args=_flags(args, worker_flags), scheduler_args=_flags(args, scheduler_flags),
+        )
+    except ValueError as exc:
+        sys.stderr.write(f"spindle serve: {exc}\n")
+        return 2
+    return Launcher(config).run()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="spindle", description="spindle LLM inference server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve_arguments(sub.add_parser("serve", help="run frontend, scheduler and worker(s) together"))
+    for name in SERVICES:
+        service_parser = sub.add_parser(name, help=f"run the {name} service alone")
+        # Import only the chosen service: the worker pulls in torch, which `serve` never needs.
+        if argv and argv[0] == name:
+            importlib.import_module(f"services.{name}.__main__").add_arguments(service_parser)
+    args = parser.parse_args(argv)
+    setup_logging(args.command)
+    if args.command == "serve":
+        sys.exit(_serve(args))
+    module = importlib.import_module(f"services.{args.command}.__main__")
+    config = module.config_from_args(args)
+    with contextlib.suppress(KeyboardInterrupt):
+        uvloop.run(module.serve(config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""`spindle serve`: run scheduler, worker(s) and frontend as separate processes on loopback.
+
+The launcher owns process lifecycle only: it picks internal ports, starts each service with
+`python -m services.<name>`, waits until the frontend's /health says every service is ready,
+announces where it listens, and on Ctrl-C / SIGTERM (or when any child dies) stops all of
+them, gently first. It never imports torch or the services' code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """What `spindle serve` was asked for; internal addresses are picked at start."""
+
+    model: str
+    host: str = "0.0.0.0"
+    port: int = 8000
+    grpc_port: int = 50051
+    num_workers: int = 1
+    served_model_name: str | None = None
+    # Extra flags handed through to each service unchanged.
+    worker_args: tuple[str, ...] = field(default=())
+    scheduler_args: tuple[str, ...] = field(default=())
+    frontend_args: tuple[str, ...] = field(default=())
+    ready_timeout_s: float = 600.0
+    stop_grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers={self.num_workers} must be at least 1")
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model={self.model!r} is not a directory")
+
+
+def free_port() -> int:
+    """A port that was free a moment ago on loopback (the service binds it right after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Launcher:
+    """Starts the three services, waits for readiness, and stops them together."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self._stopping = False
+
+    def _spawn(self, name: str, module: str, args: list[str]) -> None:
+        cmd = [sys.executable, "-m", module, *args]
+        logger.info("starting %s: %s", name, " ".join(cmd))
+        self.children[name] = subprocess.Popen(cmd)
+
+    def start(self) -> None:
+        cfg = self.config
+        worker_addrs = [f"127.0.0.1:{free_port()}" for _ in range(cfg.num_workers)]
+        scheduler_addr = f"127.0.0.1:{free_port()}"
+        for i, addr in enumerate(worker_addrs):
+            self._spawn(f"worker-{i}", "services.worker",
+                        ["--model", cfg.model, "--listen", addr, *cfg.worker_args])
+        self._spawn("scheduler", "services.scheduler",
+                    ["--listen", scheduler_addr, "--workers-addr", ",".join(worker_addrs),
+                     *cfg.scheduler_args])
+        frontend = ["--model", cfg.model, "--scheduler-addr", scheduler_addr, "--host", cfg.host,
+                    "--port", str(cfg.port), "--grpc-port", str(cfg.grpc_port)]
+        if cfg.served_model_name:
+            frontend += ["--served-model-name", cfg.served_model_name]
+        self._spawn("frontend", "services.frontend", [*frontend, *cfg.frontend_args])
+
+    def health_url(self) -> str:
+        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::", "") else self.config.host
+        return f"http://{host}:{self.config.port}/health"
+
+    def dead_child(self) -> str | None:
+        """Name of a child that exited, if any."""
+        for name, proc in self.children.items():
+            if proc.poll() is not None:
+                return name
+        return None
+
+    def wait_ready(self) -> bool:
+        """Poll /health until 200; False if a child died, we were stopped, or time ran out."""
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        last_note = time.monotonic()
+        while time.monotonic() < deadline and not self._stopping:
+            dead = self.dead_child()
+            if dead:
+                logger.error("%s exited with code %s before spindle was ready", dead,
+                             self.children[dead].returncode)
+                return False
+            try:
+                with urllib.request.urlopen(self.health_url(), timeout=2) as resp:
+                    if resp.status == 200:
+                        return True
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() - last_note > 10:
+                logger.info("waiting for services to become ready (model loading)...")
+                last_note = time.monotonic()
+            time.sleep(0.2)
+        return False
+
+    def stop(self) -> None:
+        """SIGTERM every child (frontend first, so no new work arrives), then SIGKILL stragglers."""
+        self._stopping = True
+        for name in ["frontend", "scheduler", *[n for n in self.children if n.startswith("worker")]]:
+            proc = self.children.get(name)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.config.stop_grace_s
+        for name, proc in self.children.items():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop in %.0f s; killing it", name, self.config.stop_grace_s)
+                proc.kill()
+                proc.wait()
+
+    def run(self) -> int:
+        """Serve until a signal or a child's death; returns the process exit code."""
+        def on_signal(signum: int, _frame: object) -> None:
+            logger.info("received %s, stopping", signal.Signals(signum).name)
+            self._stopping = True
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        self.start()
+        try:
+            if not self.wait_ready():
+                return 0 if self._stopping else 1
+            cfg = self.config
+            shown = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+            name = cfg.served_model_name or os.path.basename(cfg.model.rstrip("/"))
+            sys.stdout.write(
+                f"spindle is ready: OpenAI HTTP http://{shown}:{cfg.port}/v1  "
+                f"gRPC {shown}:{cfg.grpc_port}  (model {name})\n"
+            )
+            sys.stdout.flush()
+            while not self._stopping:
+                dead = self.dead_child()
+                if dead:
+                    logger.error("%s exited with code %s; stopping the others", dead,
+                                 self.children[dead].returncode)
+                    return 1
+                time.sleep(0.2)
+            return 0
+        finally:
+            self.stop()
