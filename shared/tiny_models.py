@@ -24,6 +24,17 @@ _CORPUS = [
     "0123456789 + - * / = ( ) [ ] { } < > # @ & %",
 ]
 
+def _training_corpus(vocab_size: int) -> list[str]:
+    """The fixed sentences plus seeded random words, enough for BPE to fill `vocab_size`."""
+    import random
+
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 9))) for _ in range(vocab_size * 6)]
+    lines = [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
+    return _CORPUS * 4 + lines
+
+
 SPECIAL_TOKENS = ["<s>", "</s>", "<unk>", "<pad>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<s>{{ message['role'] }}\n{{ message['content'] }}</s>\n{% endfor %}"
@@ -62,7 +73,7 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tok.train_from_iterator(_training_corpus(vocab_size), trainer=trainer)
     bos_id = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos_id)])
     fast = PreTrainedTokenizerFast(
