@@ -67,3 +67,42 @@ def _wait_healthy(server: RunningServer, timeout_s: float) -> None:
             pass
         time.sleep(0.25)
     raise AssertionError(f"spindle serve not healthy after {timeout_s} s")
+
+
+@dataclass(frozen=True)
+class StandaloneServices:
+    """The services started one by one (as on Kubernetes), with every address known."""
+
+    server: RunningServer
+    scheduler_address: str
+    worker_addresses: list[str]
+    processes: list[subprocess.Popen[bytes]]
+
+
+@contextlib.contextmanager
+def spindle_services(model_dir: Path, worker_args: tuple[str, ...] = (), scheduler_args: tuple[str, ...] = (),
+                     num_workers: int = 1, timeout_s: float = 180.0) -> Iterator[StandaloneServices]:
+    """Run `spindle worker`, `spindle scheduler` and `spindle frontend` as separate processes."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPINDLE_LOG_LEVEL": os.environ.get("SPINDLE_LOG_LEVEL", "WARNING")}
+    workers = [f"127.0.0.1:{free_port()}" for _ in range(num_workers)]
+    scheduler = f"127.0.0.1:{free_port()}"
+    http_port, grpc_port = free_port(), free_port()
+    cli = [sys.executable, "-m", "services.cli"]
+    commands = [[*cli, "worker", "--model", str(model_dir), "--listen", addr, *worker_args] for addr in workers]
+    commands.append([*cli, "scheduler", "--listen", scheduler, "--workers-addr", ",".join(workers), *scheduler_args])
+    commands.append([*cli, "frontend", "--model", str(model_dir), "--scheduler-addr", scheduler, "--host",
+                     "127.0.0.1", "--port", str(http_port), "--grpc-port", str(grpc_port)])
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=env) for cmd in commands]
+    server = RunningServer(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", model_dir.name, procs[-1])
+    try:
+        _wait_healthy(server, timeout_s)
+        yield StandaloneServices(server, scheduler, workers, procs)
+    finally:
+        for proc in reversed(procs):
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,122 @@
+"""The scheduler under pressure, through the real services: preemption, prefix cache, multi-step,
+aborts and several workers — greedy output must stay identical to transformers throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from shared.pb.spindle.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from tests.e2e.clients import Generated, grpc_channel, grpc_generate
+from tests.e2e.oracle import greedy_tokens
+from tests.e2e.server import spindle_serve, spindle_services
+
+pytestmark = pytest.mark.e2e
+
+# tiny llama: 2 layers x (K, V) x 16 slots x 2 kv heads x 16 dims x 4 bytes = 8 KiB per block.
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4
+
+
+def scheduler_stats(address: str) -> scheduler_pb2.SchedulerStats:
+    with grpc.insecure_channel(address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        return stub.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest()).stats
+
+
+def jobs_for(seed: int, count: int = 32, max_prompt: int = 60, max_out: int = 40) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(4, 512) for _ in range(rng.randint(3, max_prompt))], rng.randint(1, max_out))
+            for _ in range(count)]
+
+
+async def generate_all(address: str, model: str, jobs: list[tuple[list[int], int]],
+                       cancel_every: int = 0) -> list[Generated | None]:
+    """Run every job concurrently; with cancel_every=k, every k-th stream is cancelled mid-way."""
+    async with grpc_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+
+        async def one(i: int, prompt: list[int], max_tokens: int) -> Generated | None:
+            if cancel_every and i % cancel_every == 0:
+                task = asyncio.ensure_future(grpc_generate(stub, model, prompt, max_tokens + 200))
+                await asyncio.sleep(0.05 + 0.01 * i)
+                task.cancel()
+                return None
+            return await grpc_generate(stub, model, prompt, max_tokens)
+
+        return await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(jobs)))
+
+
+def assert_matches_oracle(model_dir: Path, jobs: list[tuple[list[int], int]], results: list[Generated | None]) -> None:
+    for (prompt, max_tokens), got in zip(jobs, results, strict=True):
+        if got is not None:
+            assert got.token_ids == greedy_tokens(model_dir, prompt, max_tokens), f"prompt {prompt}"
+
+
+def test_preemption_keeps_greedy_output(tiny_models: dict[str, Path]) -> None:
+    model_dir = tiny_models["llama"]
+    jobs = jobs_for(11)
+    with spindle_services(model_dir, worker_args=("--kv-cache-bytes", str(24 * BLOCK_BYTES))) as svc:
+        results = asyncio.run(generate_all(svc.server.grpc_address, svc.server.model_name, jobs))
+        stats = scheduler_stats(svc.scheduler_address)
+    assert stats.num_preemptions > 0, "the pool was meant to be too small to run everything at once"
+    assert_matches_oracle(model_dir, jobs, results)
+
+
+def test_prefix_cache_hits_shared_system_prompt(tiny_models: dict[str, Path]) -> None:
+    model_dir = tiny_models["llama"]
+    rng = random.Random(5)
+    system = [rng.randrange(4, 512) for _ in range(48)]
+    jobs = [(system + [rng.randrange(4, 512) for _ in range(rng.randint(1, 20))], 12) for _ in range(16)]
+    with spindle_services(model_dir) as svc:
+        first = asyncio.run(generate_all(svc.server.grpc_address, svc.server.model_name, jobs[:1]))
+        rest = asyncio.run(generate_all(svc.server.grpc_address, svc.server.model_name, jobs[1:]))
+        stats = scheduler_stats(svc.scheduler_address)
+    assert stats.prefix_cache_hits >= 15 * 32, f"shared 48-token prefix should hit 3 blocks each: {stats}"
+    assert_matches_oracle(model_dir, jobs, first + rest)
+
+
+@pytest.mark.parametrize("num_steps", [1, 4, 8, 16])
+def test_multi_step_with_aborts_and_preemption(tiny_models: dict[str, Path], num_steps: int) -> None:
+    model_dir = tiny_models["qwen2"]
+    jobs = jobs_for(100 + num_steps)
+    worker_args = ("--kv-cache-bytes", str(40 * BLOCK_BYTES))
+    with spindle_services(model_dir, worker_args=worker_args,
+                          scheduler_args=("--num-scheduler-steps", str(num_steps))) as svc:
+        results = asyncio.run(generate_all(svc.server.grpc_address, svc.server.model_name, jobs, cancel_every=7))
+        time.sleep(0.5)
+        stats = scheduler_stats(svc.scheduler_address)
+    assert stats.num_running == 0 and stats.num_waiting == 0, f"aborted requests must be freed: {stats}"
+    assert stats.num_aborted >= 1
+    assert_matches_oracle(model_dir, jobs, results)
+
+
+def test_several_workers(tiny_models: dict[str, Path]) -> None:
+    model_dir = tiny_models["mistral"]
+    jobs = jobs_for(21)
+    with spindle_serve(model_dir, "--workers", "2") as server:
+        results = asyncio.run(generate_all(server.grpc_address, server.model_name, jobs))
+    assert_matches_oracle(model_dir, jobs, results)
+
+
+def _descendants(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    children = [int(p) for p in out.split()]
+    return children + [g for c in children for g in _descendants(c)]
+
+
+def test_sigterm_stops_every_process(tiny_models: dict[str, Path]) -> None:
+    with spindle_serve(tiny_models["llama"]) as server:
+        children = _descendants(server.process.pid)
+        assert len(children) >= 3
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=30) == 0
+    for pid in children:
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
