@@ -135,3 +135,48 @@ def build_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> P
     (out / "spindle_tiny_spec.json").write_text(json.dumps(spec.__dict__ if hasattr(spec, "__dict__") else
                                                            {f: getattr(spec, f) for f in spec.__slots__}))
     return out
+
+
+BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def build_wordpiece_tokenizer(out_dir: str | Path, vocab_size: int = 1024) -> None:
+    """Train an uncased WordPiece tokenizer (BERT style, with pair template) on the fixed corpus."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import BertTokenizerFast
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=BERT_SPECIAL_TOKENS, show_progress=False)
+    tok.train_from_iterator(_training_corpus(vocab_size), trainer=trainer)
+    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)]
+    )
+    fast = BertTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
+                             cls_token="[CLS]", mask_token="[MASK]", model_max_length=512)
+    fast.save_pretrained(str(out_dir))
+
+
+def build_cross_encoder(out_dir: str | Path, hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
+                        num_labels: int = 1) -> Path:
+    """A random-initialised `BertForSequenceClassification` (a cross-encoder) with its tokenizer."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build_wordpiece_tokenizer(out)
+    config = BertConfig(vocab_size=1024, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                        num_attention_heads=4, intermediate_size=hidden_size * 4, max_position_embeddings=512,
+                        num_labels=num_labels, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = BertForSequenceClassification(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "LayerNorm" not in name:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
