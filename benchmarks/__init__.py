@@ -1,0 +1,1 @@
+"""spindle's benchmarks: workloads, an OpenAI load client, the no-serving limit, and the runner."""

@@ -1,0 +1,115 @@
+"""Per-request measurements and their summary (throughput, TTFT/ITL/E2E percentiles).
+
+Pure arithmetic over recorded times: no I/O, so the same summary serves the HTTP load client
+and the in-process limit loop, and is unit-testable with made-up numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+PERCENTILES = (50.0, 90.0, 99.0)
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """What one request measured. Times are seconds from `time.perf_counter()`.
+
+    Attributes:
+        prompt_len: prompt tokens sent.
+        expected_output_tokens: max_tokens asked for (exact with ignore_eos).
+        output_tokens: tokens generated: usage.completion_tokens if the server sent usage, else
+            the number of chunks that carried output.
+        ttft_s: first output chunk minus send time.
+        itls_s: gaps between consecutive output chunks (one per chunk after the first).
+        e2e_s: end of stream minus send time.
+        error: why the request failed; None on success.
+    """
+
+    prompt_len: int
+    expected_output_tokens: int
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    itls_s: list[float] = field(default_factory=list)
+    e2e_s: float = 0.0
+    error: str | None = None
+
+    @property
+    def is_success(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyStats:
+    """Summary of one latency series, in milliseconds."""
+
+    mean_ms: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+
+    @classmethod
+    def of(cls, values_s: Sequence[float]) -> LatencyStats:
+        """Mean and percentiles (numpy's linear interpolation) of seconds, reported in ms; zeros if empty."""
+        if not values_s:
+            return cls(0.0, 0.0, 0.0, 0.0)
+        ms = np.asarray(values_s, dtype=np.float64) * 1000.0
+        p50, p90, p99 = (float(v) for v in np.percentile(ms, PERCENTILES))
+        return cls(float(ms.mean()), p50, p90, p99)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSummary:
+    """A benchmark run reduced to the figures the report prints.
+
+    Throughputs count successful requests only and divide by `duration_s`, the wall time from
+    the first send to the last completion.
+    """
+
+    num_requests: int
+    num_completed: int
+    num_failed: int
+    num_length_mismatches: int
+    duration_s: float
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float
+    output_throughput: float
+    total_token_throughput: float
+    ttft: LatencyStats
+    itl: LatencyStats
+    e2e: LatencyStats
+    errors: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def summarize(results: Sequence[RequestResult], duration_s: float) -> LoadSummary:
+    """Reduce per-request results measured over `duration_s` seconds of wall time."""
+    if duration_s <= 0:
+        raise ValueError(f"duration_s={duration_s} must be positive")
+    ok = [r for r in results if r.is_success]
+    input_tokens = sum(r.prompt_len for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    # Distinct error texts, first few only: a dead server fails every request the same way.
+    errors = tuple(dict.fromkeys(r.error for r in results if r.error is not None))[:5]
+    return LoadSummary(
+        num_requests=len(results),
+        num_completed=len(ok),
+        num_failed=len(results) - len(ok),
+        num_length_mismatches=sum(r.output_tokens != r.expected_output_tokens for r in ok),
+        duration_s=duration_s,
+        total_input_tokens=input_tokens,
+        total_output_tokens=output_tokens,
+        request_throughput=len(ok) / duration_s,
+        output_throughput=output_tokens / duration_s,
+        total_token_throughput=(input_tokens + output_tokens) / duration_s,
+        ttft=LatencyStats.of([r.ttft_s for r in ok]),
+        itl=LatencyStats.of([gap for r in ok for gap in r.itls_s]),
+        e2e=LatencyStats.of([r.e2e_s for r in ok]),
+        errors=errors,
+    )
