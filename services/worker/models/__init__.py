@@ -1,0 +1,42 @@
+"""Model registry: HF architecture name -> spindle model class and config parser (lazy imports).
+
+Every decoder family shares `DecoderForCausalLM`; the entry's parser turns the family's HF
+config into the flags that make the difference (qkv bias, sliding window).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+# architecture -> ("module:model class", "module:config parser")
+MODEL_REGISTRY: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": (
+        "services.worker.models.decoder:DecoderForCausalLM",
+        "services.worker.models.config:llama_config",
+    ),
+    "MistralForCausalLM": (
+        "services.worker.models.decoder:DecoderForCausalLM",
+        "services.worker.models.config:mistral_config",
+    ),
+    "Qwen2ForCausalLM": (
+        "services.worker.models.decoder:DecoderForCausalLM",
+        "services.worker.models.config:qwen2_config",
+    ),
+}
+
+
+def _import(path: str) -> Any:
+    module, attr = path.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def resolve_model(architecture: str) -> tuple[type, str, Callable[[dict], Any]]:
+    """(model class, architecture, HF-config parser) for a registered architecture."""
+    if architecture not in MODEL_REGISTRY:
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
+        )
+    model_path, parser_path = MODEL_REGISTRY[architecture]
+    return _import(model_path), architecture, _import(parser_path)
