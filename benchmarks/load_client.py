@@ -26,7 +26,16 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks.metrics import LoadSummary, RequestResult, summarize
-from benchmarks.workload import WORKLOADS, BenchRequest, WorkloadSpec, build_workload, completion_payload
+from benchmarks.workload import (
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_VOCAB_HIGH,
+    FIRST_ORDINARY_TOKEN_ID,
+    WORKLOADS,
+    BenchRequest,
+    WorkloadSpec,
+    build_workload,
+    completion_payload,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -208,9 +217,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (median for sharegpt-like)")
     p.add_argument("--output-len", type=int, default=128, help="output tokens (median for sharegpt-like)")
     p.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths vary by +/- this fraction")
-    p.add_argument("--vocab-low", type=int, default=WorkloadSpec.vocab_low)
-    p.add_argument("--vocab-high", type=int, default=WorkloadSpec.vocab_high, help="model vocab size")
-    p.add_argument("--max-model-len", type=int, default=WorkloadSpec.max_model_len)
+    p.add_argument("--vocab-low", type=int, default=FIRST_ORDINARY_TOKEN_ID)
+    p.add_argument("--vocab-high", type=int, default=DEFAULT_VOCAB_HIGH, help="model vocab size")
+    p.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second")

@@ -14,6 +14,8 @@ import numpy as np
 
 # Ids 0..3 are <s>, </s>, <unk>, <pad> in shared/tiny_models; random prompts stay clear of them.
 FIRST_ORDINARY_TOKEN_ID = 4
+DEFAULT_VOCAB_HIGH = 8192  # the benchmark models' vocab size
+DEFAULT_MAX_MODEL_LEN = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +52,8 @@ class WorkloadSpec:
     output_len: int = 128
     range_ratio: float = 0.0
     vocab_low: int = FIRST_ORDINARY_TOKEN_ID
-    vocab_high: int = 8192
-    max_model_len: int = 2048
+    vocab_high: int = DEFAULT_VOCAB_HIGH
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
     seed: int = 0
 
     def __post_init__(self) -> None:

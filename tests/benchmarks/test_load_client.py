@@ -76,7 +76,7 @@ async def mock_server() -> AsyncIterator[tuple[str, MockState]]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - aiohttp exposes no public getter
+    port = site._server.sockets[0].getsockname()[1]  # aiohttp has no public getter
     yield f"http://127.0.0.1:{port}", state
     await runner.cleanup()
 

@@ -1,0 +1,63 @@
+"""Run `spindle serve` for one timed benchmark configuration, with every core available to it.
+
+Reuses the e2e harness's port picking, handle and health wait (tests/e2e/server.py). It differs
+from `spindle_serve` there in two ways a benchmark needs: the services get all cores
+(`OMP_NUM_THREADS`) instead of the one the tests pin, and their output goes to a log file kept
+next to the results rather than a pipe nobody reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from tests.e2e.server import RunningServer, _wait_healthy, free_port
+
+logger = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def spindle_server(model_dir: Path, *extra_args: str, num_threads: int, log_path: Path,
+                   timeout_s: float = 600.0) -> Iterator[RunningServer]:
+    """`spindle serve --model model_dir *extra_args` on free loopback ports until the block ends.
+
+    Raises AssertionError (from the harness) if the server exits or is not healthy in `timeout_s`.
+    """
+    http_port, grpc_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
+           "--port", str(http_port), "--grpc-port", str(grpc_port), *extra_args]
+    env = {**os.environ, "OMP_NUM_THREADS": str(num_threads),
+           "SPINDLE_LOG_LEVEL": os.environ.get("SPINDLE_LOG_LEVEL", "INFO")}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        logger.info("starting: %s (log %s)", " ".join(cmd[1:]), log_path)
+        # Own session: if the launcher hangs, its whole group (the services it started) can be killed.
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        server = RunningServer(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", model_dir.name, proc)
+        try:
+            _wait_healthy(server, timeout_s)
+            yield server
+        finally:
+            _stop(proc)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (the launcher stops its services), then SIGKILL the launcher's process group after 30 s."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        logger.warning("spindle serve (pid %d) ignored SIGTERM for 30 s; killing it", proc.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
