@@ -129,7 +129,7 @@ def plot_throughput(rows: Sequence[BenchRow], out_dir: Path, stem: str) -> list[
     import matplotlib.pyplot as plt
 
     written: list[Path] = []
-    for model in dict.fromkeys(r.model for r in rows):
+    for model in dict.fromkeys(r.model for r in rows if r.summary is not None):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for config in dict.fromkeys(r.config for r in rows if r.model == model):
             points = sorted((r.concurrency, r.summary.output_throughput) for r in rows
@@ -140,6 +140,8 @@ def plot_throughput(rows: Sequence[BenchRow], out_dir: Path, stem: str) -> list[
             style = {"color": "black", "linestyle": "--", "linewidth": 2.5} if config == LIMIT else {"marker": "o"}
             ax.plot(xs, ys, label=config, **style)
         ax.set_xscale("log", base=2)
+        ticks = sorted({r.concurrency for r in rows if r.model == model})
+        ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.set_xlabel("concurrency (requests in flight; batch size for limit/generate)")
         ax.set_ylabel("output tokens/s")
         ax.set_title(f"{model}: output throughput")
