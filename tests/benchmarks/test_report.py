@@ -29,7 +29,7 @@ def test_ratios_match_model_and_concurrency(tmp_path: Path) -> None:
     assert ratio(rows[6], rows, "limit") is None
 
     table = format_table(rows)
-    assert "| small | spindle-steps1 | 1 | 1 | 50.0 | 10.0 ms | 2.00 ms | 2.00 ms | 0.50 | 0.62 |  |" in table
+    assert "| small | spindle-steps1 | 1 | 1 | 50.0 | 10.0 ms | 2.0 ms | 2.0 ms | 0.50 | 0.62 |  |" in table
     assert "FAILED: AssertionError: exited" in table
 
     out = tmp_path / "r.json"
