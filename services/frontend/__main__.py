@@ -1,0 +1,82 @@
+"""Entry point of the frontend service: flags (SPINDLE_* env defaults) -> FrontendConfig -> serve.
+
+`python -m services.frontend --model DIR --scheduler-addr HOST:PORT` or `spindle frontend ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+
+import uvloop
+
+from services.frontend.config import FrontendConfig
+from services.frontend.server import Frontend
+from shared.grpc_server import wait_for_shutdown
+from shared.logs import setup_logging
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"SPINDLE_{name}", default)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=_env("MODEL", ""),
+                        help="model directory: tokenizer, chat template, generation_config.json [SPINDLE_MODEL]")
+    parser.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", ""),
+                        help="model id clients use (default: the model directory's name) [SPINDLE_SERVED_MODEL_NAME]")
+    parser.add_argument("--scheduler-addr", default=_env("SCHEDULER_ADDR", "127.0.0.1:50052"),
+                        help="scheduler host:port [SPINDLE_SCHEDULER_ADDR]")
+    parser.add_argument("--host", default=_env("HOST", "0.0.0.0"), help="bind host [SPINDLE_HOST]")
+    parser.add_argument("--port", type=int, default=int(_env("PORT", "8000")),
+                        help="OpenAI-compatible HTTP port [SPINDLE_PORT]")
+    parser.add_argument("--grpc-port", type=int, default=int(_env("GRPC_PORT", "50051")),
+                        help="public gRPC port [SPINDLE_GRPC_PORT]")
+    parser.add_argument("--default-max-tokens", type=int, default=int(_env("DEFAULT_MAX_TOKENS", "256")),
+                        help="max_tokens when a request leaves it unset, capped to the context "
+                             "[SPINDLE_DEFAULT_MAX_TOKENS]")
+    parser.add_argument("--request-timeout-s", type=float, default=float(_env("REQUEST_TIMEOUT_S", "600")),
+                        help="abort requests running longer than this; 0: never [SPINDLE_REQUEST_TIMEOUT_S]")
+    parser.add_argument("--tokenizer-threads", type=int, default=int(_env("TOKENIZER_THREADS", "1")),
+                        help="threads tokenizing off the event loop [SPINDLE_TOKENIZER_THREADS]")
+
+
+def config_from_args(args: argparse.Namespace) -> FrontendConfig:
+    return FrontendConfig(
+        model=args.model,
+        served_model_name=args.served_model_name or "",
+        scheduler_addr=args.scheduler_addr,
+        host=args.host,
+        http_port=args.port,
+        grpc_port=args.grpc_port,
+        default_max_tokens=args.default_max_tokens,
+        request_timeout_s=args.request_timeout_s,
+        tokenizer_threads=args.tokenizer_threads,
+    )
+
+
+async def serve(config: FrontendConfig) -> None:
+    """Serve gRPC and HTTP until SIGTERM/SIGINT; health turns SERVING once the scheduler is ready."""
+    frontend = Frontend(config)
+    await frontend.start()
+    assert frontend.grpc is not None
+    await wait_for_shutdown(frontend.grpc, on_stop=frontend.stop_http)
+    await frontend.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="spindle frontend", description="spindle frontend service")
+    add_arguments(parser)
+    args = parser.parse_args()
+    setup_logging("frontend")
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    with contextlib.suppress(KeyboardInterrupt):
+        uvloop.run(serve(config))
+
+
+if __name__ == "__main__":
+    main()

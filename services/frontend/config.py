@@ -1,0 +1,67 @@
+"""FrontendConfig: everything the frontend service is configured with, built once in `__main__`.
+
+Frozen and validated here; no module below `__main__` reads the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendConfig:
+    """Settings of one frontend replica.
+
+    Attributes:
+        model: model directory (tokenizer, chat template, generation_config.json).
+        served_model_name: the id clients use; empty means the model directory's base name.
+        scheduler_addr: host:port of the scheduler's SchedulerService.
+        host: bind host of both the HTTP and the gRPC server.
+        http_port: OpenAI-compatible HTTP port (0 picks a free one).
+        grpc_port: public gRPC port (0 picks a free one).
+        default_max_tokens: max_tokens when a request leaves it unset, capped to what fits
+            in the context after the prompt.
+        request_timeout_s: a request still running after this long is aborted (0: never).
+        scheduler_backoff_max_s: longest wait between attempts to (re)connect to the scheduler.
+        tokenizer_threads: threads that tokenize off the event loop.
+    """
+
+    model: str
+    served_model_name: str = ""
+    scheduler_addr: str = "127.0.0.1:50052"
+    host: str = "0.0.0.0"
+    http_port: int = 8000
+    grpc_port: int = 50051
+    default_max_tokens: int = 256
+    request_timeout_s: float = 600.0
+    scheduler_backoff_max_s: float = 5.0
+    tokenizer_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must name a model directory")
+        if not self.served_model_name:
+            object.__setattr__(self, "served_model_name", os.path.basename(self.model.rstrip("/")))
+        for name in ("http_port", "grpc_port"):
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise ValueError(f"{name}={port} is not a TCP port")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens={self.default_max_tokens} must be at least 1")
+        if self.request_timeout_s < 0:
+            raise ValueError(f"request_timeout_s={self.request_timeout_s} must not be negative")
+        if self.scheduler_backoff_max_s <= 0:
+            raise ValueError(f"scheduler_backoff_max_s={self.scheduler_backoff_max_s} must be positive")
+        if self.tokenizer_threads < 1:
+            raise ValueError(f"tokenizer_threads={self.tokenizer_threads} must be at least 1")
+        if ":" not in self.scheduler_addr:
+            raise ValueError(f"scheduler_addr={self.scheduler_addr!r} must be host:port")
+
+    @property
+    def http_address(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.host}:{self.grpc_port}"

@@ -1,0 +1,140 @@
+"""The generate pipeline both APIs share: validate -> tokenize -> submit -> stream outputs.
+
+`prepare` does everything that can fail before a request is accepted (so the HTTP app can
+answer 4xx before it starts an event stream); `run` submits it and yields one chunk per step
+and a final `GenerateComplete`. Leaving `run` early (client gone, cancellation) aborts the
+request in the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from services.frontend.config import FrontendConfig
+from services.frontend.generation_defaults import GenerationDefaults
+from services.frontend.messages import (
+    AddRequest,
+    GenerateEvent,
+    GenerateInput,
+    ModelCard,
+    SchedulerInfo,
+    TokenizeResult,
+)
+from services.frontend.output_processor import OutputProcessor
+from services.frontend.scheduler_client import SchedulerClient
+from services.frontend.tokenizer import Tokenizer
+from services.frontend.validation import check_model, check_prompt, check_sampling, resolve_sampling
+from shared.errors import InvalidArgumentError
+from shared.types import RequestKind
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A validated, tokenized generate request, ready to submit."""
+
+    add: AddRequest
+    stop: tuple[str, ...]
+    skip_special_tokens: bool
+
+    @property
+    def request_id(self) -> str:
+        return self.add.request_id
+
+
+class EngineClient:
+    """Generation, tokenization and model listing on top of the scheduler connection."""
+
+    def __init__(self, config: FrontendConfig, tokenizer: Tokenizer, scheduler: SchedulerClient,
+                 defaults: GenerationDefaults | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.defaults = defaults or GenerationDefaults()
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_name
+
+    async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateEvent]:
+        """`prepare` then `run`, for callers that need no gap between them."""
+        prepared = await self.prepare(request)
+        async for event in self.run(prepared):
+            yield event
+
+    async def prepare(self, request: GenerateInput) -> PreparedRequest:
+        """Validate and tokenize; raises a typed error naming the bad field."""
+        check_model(request.model, self.model_name)
+        info = await self.scheduler.get_info()
+        if info.task != RequestKind.GENERATE:
+            raise InvalidArgumentError(
+                f"model {self.model_name!r} does not support text generation (task {info.task.name.lower()})"
+            )
+        check_sampling(request.sampling, info.vocab_size)
+        prompt_token_ids = await self._prompt_token_ids(request)
+        check_prompt(prompt_token_ids, info)
+        options = resolve_sampling(request.sampling, len(prompt_token_ids), info, self.defaults,
+                                   self.config.default_max_tokens)
+        timeout_s = self.config.request_timeout_s
+        add = AddRequest(
+            request_id=request.request_id or f"gen-{uuid.uuid4().hex}",
+            prompt_token_ids=prompt_token_ids,
+            sampling=options,
+            priority=request.priority,
+            traceparent=request.traceparent,
+            deadline_unix_s=time.time() + timeout_s if timeout_s else 0.0,
+        )
+        return PreparedRequest(add, tuple(request.sampling.stop), request.skip_special_tokens)
+
+    async def run(self, prepared: PreparedRequest) -> AsyncIterator[GenerateEvent]:
+        """Submit and stream: a `GenerateChunk` per step with new output, then a `GenerateComplete`."""
+        add = prepared.add
+        processor = OutputProcessor(add.request_id, self.tokenizer.decode, self.tokenizer.token_text,
+                                    add.prompt_token_ids, add.sampling, prepared.stop,
+                                    prepared.skip_special_tokens)
+        loop = asyncio.get_running_loop()
+        timeout_s = self.config.request_timeout_s
+        deadline = loop.time() + timeout_s if timeout_s else None
+        async with self.scheduler.submit(add) as stream:
+            while not processor.is_finished:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        updates = await anext(stream)
+                except TimeoutError:
+                    chunk = processor.abort()
+                else:
+                    chunk = processor.process(updates)
+                if chunk is not None:
+                    yield chunk
+        yield processor.complete()
+
+    async def _prompt_token_ids(self, request: GenerateInput) -> list[int]:
+        if request.messages is not None:
+            if not request.messages:
+                raise InvalidArgumentError("messages is empty: it must contain at least one message")
+            return await self.tokenizer.encode_chat(request.messages)
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
+        if not request.prompt_text:
+            raise InvalidArgumentError("prompt is empty: it must contain at least one token")
+        return await self.tokenizer.encode(request.prompt_text, request.add_special_tokens)
+
+    async def tokenize(self, model: str, text: str, add_special_tokens: bool) -> TokenizeResult:
+        check_model(model, self.model_name)
+        return await self.tokenizer.tokenize(text, add_special_tokens)
+
+    async def list_models(self) -> list[ModelCard]:
+        info: SchedulerInfo = await self.scheduler.get_info()
+        return [ModelCard(self.model_name, info.task, info.max_model_len)]
+
+    async def check_pooling(self, model: str, task: RequestKind) -> None:
+        """Embed and Score: reject clearly (the pooling path is not served by this frontend yet)."""
+        check_model(model, self.model_name)
+        info = await self.scheduler.get_info()
+        what = "embeddings" if task == RequestKind.EMBED else "scoring"
+        if info.task != task:
+            raise InvalidArgumentError(f"model {self.model_name!r} does not support {what}")
+        raise InvalidArgumentError(f"{what} requests are not supported by this frontend yet")

@@ -1,0 +1,158 @@
+"""OpenAI-compatible HTTP API (aiohttp): /v1/completions, /v1/chat/completions, /v1/models, /health.
+
+Thin like the gRPC servicer: parse (openai_protocol), one EngineClient call, format
+(openai_format). Typed errors become OpenAI-shaped error bodies with the mapped status.
+Streams are server-sent events ending with `data: [DONE]`. The server cancels a handler whose
+client disconnected, which aborts the request in the scheduler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from services.frontend.engine_client import EngineClient
+from services.frontend.messages import GenerateChunk, GenerateComplete, GenerateEvent, PositionLogprobs
+from services.frontend.openai_format import ChatFormatter, CompletionFormatter, ResponseFormatter, error_body
+from services.frontend.openai_protocol import Endpoint, OpenAIRequest, parse_chat, parse_completion
+from shared.errors import HTTP_STATUSES, InvalidArgumentError, SpindleError
+
+logger = logging.getLogger(__name__)
+
+ENGINE = web.AppKey("engine", EngineClient)
+REQUEST_ID_HEADER = "X-Request-Id"
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+# Per endpoint: the response id prefix and the formatter class.
+FORMATTERS: dict[Endpoint, tuple[str, type[ResponseFormatter]]] = {
+    Endpoint.COMPLETIONS: ("cmpl-", CompletionFormatter),
+    Endpoint.CHAT: ("chatcmpl-", ChatFormatter),
+}
+
+
+def _dumps(body: object) -> bytes:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def error_response(error: SpindleError) -> web.Response:
+    status = HTTP_STATUSES[error.kind]
+    return web.Response(body=_dumps(error_body(error, status)), status=status, content_type="application/json")
+
+
+@web.middleware
+async def error_middleware(request: web.Request,
+                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except SpindleError as exc:
+        logger.debug("%s %s failed: %s", request.method, request.path, exc.message)
+        return error_response(exc)
+
+
+async def _read_json(request: web.Request) -> object:
+    try:
+        return json.loads(await request.read())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidArgumentError(f"the request body is not valid JSON: {exc}") from exc
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_completion(await _read_json(request)))
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_chat(await _read_json(request)))
+
+
+async def _generate(http_request: web.Request, parsed: OpenAIRequest) -> web.StreamResponse:
+    engine = http_request.app[ENGINE]
+    parsed.input.request_id = http_request.headers.get(REQUEST_ID_HEADER, "")
+    prepared = await engine.prepare(parsed.input)
+    prefix, formatter_class = FORMATTERS[parsed.endpoint]
+    formatter = formatter_class(prefix + prepared.request_id, engine.model_name, engine.tokenizer.token_text,
+                                parsed.stream and parsed.include_usage)
+    async with contextlib.aclosing(engine.run(prepared)) as events:
+        if parsed.stream:
+            return await _stream(http_request, formatter, events, parsed.include_usage)
+        return await _collect(formatter, events)
+
+
+async def _collect(formatter: ResponseFormatter, events: AsyncIterator[GenerateEvent]) -> web.Response:
+    texts: list[str] = []
+    logprobs: list[PositionLogprobs] | None = None
+    async for event in events:
+        if isinstance(event, GenerateComplete):
+            body = formatter.response("".join(texts), logprobs, event)
+            return web.Response(body=_dumps(body), content_type="application/json")
+        texts.append(event.text)
+        if event.logprobs is not None:
+            logprobs = (logprobs or []) + event.logprobs
+    raise AssertionError("a generation ended without GenerateComplete")
+
+
+async def _stream(http_request: web.Request, formatter: ResponseFormatter, events: AsyncIterator[GenerateEvent],
+                  include_usage: bool) -> web.StreamResponse:
+    # Wait for the first event before answering 200, so a request the scheduler rejects at
+    # once still gets its proper status code.
+    event = await anext(events)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(http_request)
+    try:
+        start = formatter.start_chunk()
+        if start is not None:
+            await _send(response, start)
+        while isinstance(event, GenerateChunk):
+            await _send(response, formatter.chunk(event))
+            event = await anext(events)
+        await _send(response, formatter.end_chunk(event))
+        if include_usage:
+            await _send(response, formatter.usage_chunk(event.usage))
+    except SpindleError as exc:  # after the 200: report it in the stream, as OpenAI does
+        await _send(response, error_body(exc, HTTP_STATUSES[exc.kind]))
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def _send(response: web.StreamResponse, body: object) -> None:
+    await response.write(b"data: " + _dumps(body) + b"\n\n")
+
+
+async def list_models(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    cards = await engine.list_models()
+    data = [{"id": c.id, "object": "model", "created": 0, "owned_by": "spindle", "max_model_len": c.max_model_len}
+            for c in cards]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 once the scheduler is connected and ready, 503 before (and while reconnecting)."""
+    if request.app[ENGINE].scheduler.is_ready:
+        return web.Response(text="ok")
+    return web.Response(status=503, text="waiting for the scheduler")
+
+
+def build_app(engine: EngineClient) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    app[ENGINE] = engine
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    return app
+
+
+async def start_http(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
+    """Serve `app` on host:port (0: a free port); returns the runner (to clean up) and the address."""
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts the request.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1] if runner.addresses else port  # the real port when port was 0
+    return runner, f"{host}:{bound}"

@@ -1,0 +1,181 @@
+"""Dataclasses the frontend's core speaks: requests in, per-step outputs out, scheduler updates.
+
+`wire.py` converts them to and from generation.proto / scheduler.proto; the HTTP app builds
+them from OpenAI JSON. Nothing here imports grpc or protobuf.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from shared.errors import SpindleError
+from shared.sampling import SamplingOptions
+from shared.types import RequestKind, StopReason
+
+
+class FinishReason(enum.Enum):
+    """Why a generation ended, as clients see it (values are the OpenAI strings)."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # cancelled, deadline, shutdown
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerInfo:
+    """What GetSchedulerInfo reports about the served model."""
+
+    ready: bool
+    model_id: str
+    task: RequestKind
+    max_model_len: int
+    vocab_size: int
+    num_workers: int = 1
+    num_kv_blocks: int = 0
+    block_size: int = 0
+    max_request_tokens: int = 0  # 0: unknown, only max_model_len limits a request
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most prompt plus output tokens one request may use."""
+        if self.max_request_tokens > 0:
+            return min(self.max_model_len, self.max_request_tokens)
+        return self.max_model_len
+
+
+@dataclass(slots=True)
+class AddRequest:
+    """A validated, tokenized request handed to the scheduler."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    kind: RequestKind = RequestKind.GENERATE
+    priority: int = 0
+    token_type_ids: list[int] = field(default_factory=list)
+    traceparent: str = ""
+    deadline_unix_s: float = 0.0  # 0: none
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """Everything that happened to one request in one engine step (scheduler.proto RequestUpdate)."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # [len(token_ids)] when requested
+    num_top_logprobs: int = 0
+    top_token_ids: list[int] = field(default_factory=list)  # [len(token_ids) * num_top_logprobs]
+    top_logprobs: list[float] = field(default_factory=list)  # [len(token_ids) * num_top_logprobs]
+    stop_reason: StopReason | None = None  # set on the last update
+    stop_token_id: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    pooled: list[float] = field(default_factory=list)
+    error: SpindleError | None = None  # the request failed; it is finished
+
+    @property
+    def is_final(self) -> bool:
+        return self.stop_reason is not None or self.error is not None
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingRequest:
+    """Sampling and stopping as a client sent them; None means "use the default"."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    max_tokens: int | None = None
+    min_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; N: chosen token plus top N
+
+
+@dataclass(slots=True, frozen=True)
+class ChatMessage:
+    """One chat turn; content is plain text (multimodal parts are rejected by the HTTP layer)."""
+
+    role: str
+    content: str
+
+
+@dataclass(slots=True)
+class GenerateInput:
+    """A generate request from either API; exactly one of the three prompt forms is set."""
+
+    model: str = ""
+    prompt_text: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    sampling: SamplingRequest = field(default_factory=SamplingRequest)
+    priority: int = 0
+    request_id: str = ""  # empty: the frontend assigns one
+    add_special_tokens: bool = True  # for a text prompt (BOS); chat templates carry their own
+    skip_special_tokens: bool = True  # in the output text
+    traceparent: str = ""
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(slots=True, frozen=True)
+class PositionLogprobs:
+    """The chosen token's log probability and the top alternatives, most likely first."""
+
+    chosen: TokenLogprob
+    top: list[TokenLogprob]
+
+
+@dataclass(slots=True)
+class GenerateChunk:
+    """New output of one engine step (or of several, when the client fell behind)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[PositionLogprobs] | None = None  # one per token id, when requested
+
+
+@dataclass(slots=True, frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0
+
+
+@dataclass(slots=True)
+class GenerateComplete:
+    """The last event of a generation."""
+
+    request_id: str
+    finish_reason: FinishReason
+    usage: Usage
+    matched_stop: str | None = None  # the stop string, or the stop token's text
+
+
+GenerateEvent = GenerateChunk | GenerateComplete
+
+
+@dataclass(slots=True, frozen=True)
+class ModelCard:
+    id: str
+    task: RequestKind
+    max_model_len: int
+
+
+@dataclass(slots=True, frozen=True)
+class TokenizeResult:
+    token_ids: list[int]
+    tokens: list[str]  # the text piece of each token

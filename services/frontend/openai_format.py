@@ -1,0 +1,196 @@
+"""OpenAI response bodies: completions and chat, whole and as stream chunks; usage, logprobs, errors.
+
+Pure functions from the frontend's dataclasses to JSON-ready dicts; the HTTP app serialises.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+
+from services.frontend.messages import FinishReason, GenerateChunk, GenerateComplete, PositionLogprobs, Usage
+from shared.errors import ErrorKind, SpindleError
+
+TokenText = Callable[[int], str]
+# JSON has no -inf; a token the model rules out gets this (as vLLM does).
+_MIN_LOGPROB = -9999.0
+
+ERROR_TYPES: dict[ErrorKind, str] = {
+    ErrorKind.INVALID_ARGUMENT: "invalid_request_error",
+    ErrorKind.NOT_FOUND: "not_found_error",
+    ErrorKind.RESOURCE_EXHAUSTED: "rate_limit_error",
+    ErrorKind.UNAVAILABLE: "service_unavailable_error",
+    ErrorKind.INTERNAL: "internal_error",
+}
+
+
+def error_body(error: SpindleError, status: int) -> dict[str, object]:
+    return {"error": {"message": error.message, "type": ERROR_TYPES[error.kind], "param": None, "code": status}}
+
+
+def usage_body(usage: Usage) -> dict[str, object]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+    }
+
+
+def _logprob(value: float) -> float:
+    return value if value > _MIN_LOGPROB else _MIN_LOGPROB
+
+
+def completion_logprobs(positions: Sequence[PositionLogprobs], token_text: TokenText,
+                        text_offset: int) -> dict[str, object]:
+    """The legacy completions format: parallel lists plus one {token: logprob} dict per position."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for position in positions:
+        token = token_text(position.chosen.token_id)
+        tokens.append(token)
+        token_logprobs.append(_logprob(position.chosen.logprob))
+        top = {token_text(t.token_id): _logprob(t.logprob) for t in position.top}
+        top.setdefault(token, _logprob(position.chosen.logprob))
+        tops.append(top)
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(positions: Sequence[PositionLogprobs], token_text: TokenText) -> dict[str, object]:
+    """The chat format: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
+    def entry(token_id: int, logprob: float) -> dict[str, object]:
+        token = token_text(token_id)
+        return {"token": token, "logprob": _logprob(logprob), "bytes": list(token.encode())}
+
+    content = []
+    for position in positions:
+        item = entry(position.chosen.token_id, position.chosen.logprob)
+        item["top_logprobs"] = [entry(t.token_id, t.logprob) for t in position.top]
+        content.append(item)
+    return {"content": content}
+
+
+def _finish(reason: FinishReason | None) -> str | None:
+    return None if reason is None else reason.value
+
+
+def completion_choice(text: str, finish: FinishReason | None, logprobs: dict[str, object] | None,
+                      matched_stop: str | None = None) -> dict[str, object]:
+    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": _finish(finish),
+            "stop_reason": matched_stop}
+
+
+def chat_choice(text: str, finish: FinishReason | None, logprobs: dict[str, object] | None,
+                matched_stop: str | None = None) -> dict[str, object]:
+    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": _finish(finish), "stop_reason": matched_stop}
+
+
+def chat_delta_choice(delta: dict[str, str], finish: FinishReason | None,
+                      logprobs: dict[str, object] | None) -> dict[str, object]:
+    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": _finish(finish)}
+
+
+def envelope(object_name: str, response_id: str, created: int, model: str, choices: list[dict[str, object]],
+             usage: Usage | None = None) -> dict[str, object]:
+    """The fields every completion / chat (chunk) object has."""
+    body: dict[str, object] = {"id": response_id, "object": object_name, "created": created, "model": model,
+                               "choices": choices}
+    if usage is not None:
+        body["usage"] = usage_body(usage)
+    return body
+
+
+class ResponseFormatter(ABC):
+    """Builds one endpoint's response bodies; one instance per request (it tracks offsets)."""
+
+    object_name: str
+    chunk_object_name: str
+
+    def __init__(self, response_id: str, model: str, token_text: TokenText, include_usage: bool = False) -> None:
+        self.response_id = response_id
+        self.model = model
+        self.token_text = token_text
+        self.include_usage = include_usage  # stream chunks carry "usage": null, a last one the usage
+        self.created = int(time.time())
+
+    def _chunk(self, choices: list[dict[str, object]], usage: Usage | None = None) -> dict[str, object]:
+        body = envelope(self.chunk_object_name, self.response_id, self.created, self.model, choices, usage)
+        if self.include_usage and usage is None:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, usage: Usage) -> dict[str, object]:
+        """The extra last stream chunk of stream_options.include_usage: no choices, the usage."""
+        return self._chunk([], usage)
+
+    @abstractmethod
+    def start_chunk(self) -> dict[str, object] | None:
+        """A chunk to send before any output (chat: the assistant role), if the format has one."""
+
+    @abstractmethod
+    def chunk(self, chunk: GenerateChunk) -> dict[str, object]:
+        """One stream chunk with a step's new text."""
+
+    @abstractmethod
+    def end_chunk(self, complete: GenerateComplete) -> dict[str, object]:
+        """The stream chunk carrying the finish reason."""
+
+    @abstractmethod
+    def response(self, text: str, logprobs: list[PositionLogprobs] | None,
+                 complete: GenerateComplete) -> dict[str, object]:
+        """The whole (non-streamed) response."""
+
+
+class CompletionFormatter(ResponseFormatter):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def __init__(self, response_id: str, model: str, token_text: TokenText, include_usage: bool = False) -> None:
+        super().__init__(response_id, model, token_text, include_usage)
+        self._text_offset = 0  # where the next chunk's text starts, for logprobs.text_offset
+
+    def _logprobs(self, positions: list[PositionLogprobs] | None) -> dict[str, object] | None:
+        if positions is None:
+            return None
+        return completion_logprobs(positions, self.token_text, self._text_offset)
+
+    def start_chunk(self) -> dict[str, object] | None:
+        return None
+
+    def chunk(self, chunk: GenerateChunk) -> dict[str, object]:
+        logprobs = self._logprobs(chunk.logprobs)
+        self._text_offset += len(chunk.text)
+        return self._chunk([completion_choice(chunk.text, None, logprobs)])
+
+    def end_chunk(self, complete: GenerateComplete) -> dict[str, object]:
+        return self._chunk([completion_choice("", complete.finish_reason, None, complete.matched_stop)])
+
+    def response(self, text: str, logprobs: list[PositionLogprobs] | None,
+                 complete: GenerateComplete) -> dict[str, object]:
+        choice = completion_choice(text, complete.finish_reason, self._logprobs(logprobs), complete.matched_stop)
+        return envelope(self.object_name, self.response_id, self.created, self.model, [choice], complete.usage)
+
+
+class ChatFormatter(ResponseFormatter):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def _logprobs(self, positions: list[PositionLogprobs] | None) -> dict[str, object] | None:
+        return None if positions is None else chat_logprobs(positions, self.token_text)
+
+    def start_chunk(self) -> dict[str, object] | None:
+        return self._chunk([chat_delta_choice({"role": "assistant", "content": ""}, None, None)])
+
+    def chunk(self, chunk: GenerateChunk) -> dict[str, object]:
+        return self._chunk([chat_delta_choice({"content": chunk.text}, None, self._logprobs(chunk.logprobs))])
+
+    def end_chunk(self, complete: GenerateComplete) -> dict[str, object]:
+        return self._chunk([chat_delta_choice({}, complete.finish_reason, None)])
+
+    def response(self, text: str, logprobs: list[PositionLogprobs] | None,
+                 complete: GenerateComplete) -> dict[str, object]:
+        choice = chat_choice(text, complete.finish_reason, self._logprobs(logprobs), complete.matched_stop)
+        return envelope(self.object_name, self.response_id, self.created, self.model, [choice], complete.usage)

@@ -1,0 +1,221 @@
+"""OpenAI request bodies (/v1/completions, /v1/chat/completions) -> `GenerateInput`.
+
+Checks JSON types field by field (a wrong type is a 400 naming the field), maps OpenAI and
+vLLM-style extra fields onto `SamplingRequest`, and rejects features spindle does not serve
+(n > 1, echo, best_of, logit_bias, tools, ...) with a clear message instead of ignoring them.
+Range checks are `validation.py`'s job. Unknown fields are ignored, as OpenAI clients send many.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from services.frontend.messages import ChatMessage, GenerateInput, SamplingRequest
+from shared.errors import InvalidArgumentError
+
+
+class Endpoint(enum.Enum):
+    COMPLETIONS = "completions"
+    CHAT = "chat"
+
+
+@dataclass(slots=True)
+class OpenAIRequest:
+    """A parsed request: what to generate and how to answer."""
+
+    endpoint: Endpoint
+    input: GenerateInput
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
+
+
+class JsonObject:
+    """Typed access to one JSON object's fields; a wrong type raises a 400 naming the field."""
+
+    def __init__(self, value: object, where: str = "the request body") -> None:
+        if not isinstance(value, dict):
+            raise InvalidArgumentError(f"{where} must be a JSON object, got {_type_name(value)}")
+        self._data: dict[str, object] = value
+        self._prefix = "" if where == "the request body" else f"{where}."
+
+    def raw(self, name: str) -> object:
+        return self._data.get(name)
+
+    def _fail(self, name: str, expected: str) -> InvalidArgumentError:
+        value = self._data[name]
+        return InvalidArgumentError(f"{self._prefix}{name} must be {expected}, got {_type_name(value)} {value!r}")
+
+    def get_int(self, name: str) -> int | None:
+        value = self._data.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self._fail(name, "an integer")
+        return value
+
+    def get_float(self, name: str) -> float | None:
+        value = self._data.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self._fail(name, "a number")
+        return float(value)
+
+    def get_bool(self, name: str, default: bool = False) -> bool:
+        value = self._data.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self._fail(name, "a boolean")
+        return value
+
+    def get_str(self, name: str) -> str | None:
+        value = self._data.get(name)
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise self._fail(name, "a string")
+        return value
+
+    def int_list(self, name: str) -> list[int] | None:
+        value = self._data.get(name)
+        if value is None:
+            return None
+        if not _is_int_list(value):
+            raise self._fail(name, "a list of integers")
+        return value  # type: ignore[return-value]
+
+    def str_or_str_list(self, name: str) -> list[str] | None:
+        value = self._data.get(name)
+        if value is None:
+            return None
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self._fail(name, "a string or a list of strings")
+        return value
+
+    def reject_if(self, name: str, unsupported: bool, message: str) -> None:
+        if name in self._data and self._data[name] is not None and unsupported:
+            raise InvalidArgumentError(message)
+
+
+def _type_name(value: object) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def _is_int_list(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def _sampling(body: JsonObject, max_tokens: int | None, logprobs: int | None) -> SamplingRequest:
+    """The sampling fields both endpoints share (OpenAI's plus vLLM-style extras)."""
+    return SamplingRequest(
+        temperature=body.get_float("temperature"),
+        top_p=body.get_float("top_p"),
+        top_k=body.get_int("top_k"),
+        min_p=body.get_float("min_p"),
+        seed=body.get_int("seed"),
+        repetition_penalty=body.get_float("repetition_penalty"),
+        presence_penalty=body.get_float("presence_penalty"),
+        frequency_penalty=body.get_float("frequency_penalty"),
+        max_tokens=max_tokens,
+        min_tokens=body.get_int("min_tokens"),
+        stop=tuple(body.str_or_str_list("stop") or ()),
+        stop_token_ids=tuple(body.int_list("stop_token_ids") or ()),
+        ignore_eos=body.get_bool("ignore_eos"),
+        logprobs=logprobs,
+    )
+
+
+def _common(body: JsonObject) -> tuple[bool, bool]:
+    """Checks both endpoints share; returns (stream, include_usage)."""
+    n = body.get_int("n")
+    if n is not None and n != 1:
+        raise InvalidArgumentError(f"n={n}: n > 1 is not supported; send separate requests")
+    body.reject_if("logit_bias", bool(body.raw("logit_bias")), "logit_bias is not supported")
+    stream = body.get_bool("stream")
+    options = body.raw("stream_options")
+    include_usage = JsonObject(options, "stream_options").get_bool("include_usage") if options is not None else False
+    return stream, include_usage
+
+
+def parse_completion(data: object) -> OpenAIRequest:
+    """A /v1/completions body. The prompt is a string or a list of token ids (one prompt only)."""
+    body = JsonObject(data)
+    stream, include_usage = _common(body)
+    body.reject_if("echo", body.get_bool("echo"), "echo is not supported")
+    best_of = body.get_int("best_of")
+    body.reject_if("best_of", best_of is not None and best_of != 1, f"best_of={best_of}: only 1 is supported")
+    body.reject_if("suffix", bool(body.get_str("suffix")), "suffix is not supported")
+    prompt = body.raw("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        raise InvalidArgumentError(f"prompt holds {len(prompt)} prompts; only one prompt per request is supported")
+    if prompt is None:
+        raise InvalidArgumentError("prompt is required")
+    if not isinstance(prompt, str) and not _is_int_list(prompt):
+        raise InvalidArgumentError(f"prompt must be a string or a list of token ids, got {_type_name(prompt)}")
+    generate = GenerateInput(
+        model=body.get_str("model") or "",
+        prompt_text=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=None if isinstance(prompt, str) else prompt,  # type: ignore[arg-type]
+        sampling=_sampling(body, body.get_int("max_tokens"), body.get_int("logprobs")),
+        skip_special_tokens=body.get_bool("skip_special_tokens", default=True),
+        add_special_tokens=body.get_bool("add_special_tokens", default=True),
+        priority=body.get_int("priority") or 0,
+    )
+    return OpenAIRequest(Endpoint.COMPLETIONS, generate, stream, include_usage)
+
+
+def parse_chat(data: object) -> OpenAIRequest:
+    """A /v1/chat/completions body with text messages."""
+    body = JsonObject(data)
+    stream, include_usage = _common(body)
+    body.reject_if("tools", bool(body.raw("tools")), "tools (function calling) are not supported")
+    response_format = body.raw("response_format")
+    if response_format is not None:
+        kind = JsonObject(response_format, "response_format").get_str("type")
+        body.reject_if("response_format", kind not in (None, "text"),
+                       f"response_format type {kind!r} is not supported; only 'text'")
+    raw_messages = body.raw("messages")
+    if not isinstance(raw_messages, list):
+        raise InvalidArgumentError(f"messages must be a list of messages, got {_type_name(raw_messages)}")
+    max_tokens = body.get_int("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get_int("max_tokens")
+    logprobs = (body.get_int("top_logprobs") or 0) if body.get_bool("logprobs") else None
+    body.reject_if("top_logprobs", logprobs is None and body.get_int("top_logprobs") is not None,
+                   "top_logprobs requires logprobs to be true")
+    generate = GenerateInput(
+        model=body.get_str("model") or "",
+        messages=[_message(m, i) for i, m in enumerate(raw_messages)],
+        sampling=_sampling(body, max_tokens, logprobs),
+        skip_special_tokens=body.get_bool("skip_special_tokens", default=True),
+        priority=body.get_int("priority") or 0,
+    )
+    return OpenAIRequest(Endpoint.CHAT, generate, stream, include_usage)
+
+
+def _message(value: object, index: int) -> ChatMessage:
+    where = f"messages[{index}]"
+    message = JsonObject(value, where)
+    role = message.get_str("role")
+    if not role:
+        raise InvalidArgumentError(f"{where}.role is required")
+    content = message.raw("content")
+    if content is None or isinstance(content, str):
+        return ChatMessage(role, content or "")
+    if not isinstance(content, list):
+        raise InvalidArgumentError(f"{where}.content must be a string or a list of parts, got {_type_name(content)}")
+    texts = []
+    for j, part_value in enumerate(content):
+        part = JsonObject(part_value, f"{where}.content[{j}]")
+        kind = part.get_str("type")
+        if kind != "text":
+            raise InvalidArgumentError(f"{where}.content[{j}]: part type {kind!r} is not supported; only 'text'")
+        texts.append(part.get_str("text") or "")
+    return ChatMessage(role, "".join(texts))

@@ -1,0 +1,248 @@
+"""The frontend's one Connect stream to the scheduler, shared by every request.
+
+Adds and aborts issued in the same event-loop iteration leave as one batched message each;
+each StepUpdates coming back is split by request_id into per-request queues. When the
+stream breaks, in-flight requests fail with UNAVAILABLE and the client reconnects with
+exponential backoff (waiting until GetSchedulerInfo says the workers are ready).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from types import TracebackType
+
+import grpc
+
+from services.frontend import wire
+from services.frontend.messages import AddRequest, RequestUpdate, SchedulerInfo
+from shared.errors import InvalidArgumentError, UnavailableError
+from shared.grpc_server import GRPC_OPTIONS
+from shared.pb.spindle.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_PROGRESS_LOG_INTERVAL_S = 10.0
+
+
+class RequestStream:
+    """The updates of one submitted request, in batches; closing it early aborts the request.
+
+    Use as `async with client.submit(add) as stream: async for updates in stream: ...`.
+    Each batch holds every update that arrived since the previous one (usually one per
+    step; more when the consumer fell behind), and the last batch ends with the final one.
+    """
+
+    def __init__(self, client: SchedulerClient, request_id: str) -> None:
+        self.request_id = request_id
+        self._client = client
+        self._queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
+        self._final_pushed = False  # the scheduler is done with it: no abort needed
+        self._final_taken = False  # the consumer has seen the final update
+
+    def _push(self, update: RequestUpdate) -> None:
+        self._final_pushed = self._final_pushed or update.is_final
+        self._queue.put_nowait(update)
+
+    def __aiter__(self) -> AsyncIterator[list[RequestUpdate]]:
+        return self
+
+    async def __anext__(self) -> list[RequestUpdate]:
+        if self._final_taken:
+            raise StopAsyncIteration
+        batch = [await self._queue.get()]
+        while not batch[-1].is_final and not self._queue.empty():
+            batch.append(self._queue.get_nowait())
+        self._final_taken = batch[-1].is_final
+        return batch
+
+    def close(self) -> None:
+        """Stop following the request; abort it in the scheduler if it is still running."""
+        if not self._final_pushed:
+            self._final_pushed = True
+            self._client._abort(self.request_id)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self.close()
+
+
+class SchedulerClient:
+    """Owns the Connect stream; `submit` requests, `get_info` for the served model's limits."""
+
+    def __init__(self, address: str, backoff_initial_s: float = 0.05, backoff_max_s: float = 5.0,
+                 info_timeout_s: float = 5.0) -> None:
+        self.address = address
+        self._backoff_initial_s = backoff_initial_s
+        self._backoff_max_s = backoff_max_s
+        self._info_timeout_s = info_timeout_s
+        self._streams: dict[str, RequestStream] = {}
+        self._pending_adds: dict[str, AddRequest] = {}
+        self._pending_aborts: list[str] = []
+        self._flush_scheduled = False
+        self._outbox: asyncio.Queue[scheduler_pb2.ConnectRequest | None] | None = None
+        self._info: SchedulerInfo | None = None
+        self._ready = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        # Called with True when the stream is up and the scheduler ready, False when lost.
+        self.on_ready_change: list[Callable[[bool], None]] = []
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="scheduler-client")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready.is_set()
+
+    async def wait_ready(self, timeout_s: float | None = None) -> None:
+        await asyncio.wait_for(self._ready.wait(), timeout_s)
+
+    async def get_info(self) -> SchedulerInfo:
+        """The scheduler's description of the model, cached from the last (re)connect."""
+        if not self.is_ready or self._info is None:
+            raise UnavailableError(f"the scheduler at {self.address} is not connected or not ready yet")
+        return self._info
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def submit(self, request: AddRequest) -> RequestStream:
+        """Queue `request` for the scheduler; its updates arrive on the returned stream."""
+        if self._outbox is None:
+            raise UnavailableError(f"the scheduler at {self.address} is not connected")
+        if request.request_id in self._streams:
+            raise InvalidArgumentError(f"request_id={request.request_id!r} is already in use")
+        stream = RequestStream(self, request.request_id)
+        self._streams[request.request_id] = stream
+        self._pending_adds[request.request_id] = request
+        self._schedule_flush()
+        return stream
+
+    def _abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        if self._pending_adds.pop(request_id, None) is None:
+            self._pending_aborts.append(request_id)  # it was sent, so the scheduler must drop it
+            self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Send this loop iteration's adds (then aborts) as one message each."""
+        self._flush_scheduled = False
+        adds, self._pending_adds = list(self._pending_adds.values()), {}
+        aborts, self._pending_aborts = self._pending_aborts, []
+        if self._outbox is None:
+            return  # disconnected: those requests were already failed
+        if adds:
+            self._outbox.put_nowait(wire.add_requests_to_proto(adds))
+        if aborts:
+            self._outbox.put_nowait(wire.abort_requests_to_proto(aborts))
+
+    def _dispatch(self, response: scheduler_pb2.ConnectResponse) -> None:
+        if response.WhichOneof("message") != "step":
+            return
+        for msg in response.step.updates:
+            stream = self._streams.get(msg.request_id)
+            if stream is None:
+                continue  # aborted by us, or a late update for a finished request
+            update = wire.update_from_proto(msg)
+            if update.is_final:
+                del self._streams[msg.request_id]
+            stream._push(update)
+
+    def _fail_all(self, message: str) -> None:
+        streams, self._streams = self._streams, {}
+        self._pending_adds.clear()
+        self._pending_aborts.clear()
+        for request_id, stream in streams.items():
+            stream._push(RequestUpdate(request_id=request_id, error=UnavailableError(message)))
+
+    # ---- connection ---------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        backoff = self._backoff_initial_s
+        while True:
+            channel = grpc.aio.insecure_channel(self.address, options=GRPC_OPTIONS)
+            try:
+                stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+                info = await self._wait_until_ready(stub)
+                outbox: asyncio.Queue[scheduler_pb2.ConnectRequest | None] = asyncio.Queue()
+                call = stub.Connect(_drain(outbox))
+                self._outbox, self._info = outbox, info
+                self._set_ready(True)
+                logger.info("connected to the scheduler at %s: model %s, max_model_len %d, %d worker(s)",
+                            self.address, info.model_id, info.max_model_len, info.num_workers)
+                backoff = self._backoff_initial_s
+                async for response in call:
+                    self._dispatch(response)
+                logger.warning("the scheduler at %s closed the stream", self.address)
+            except grpc.aio.AioRpcError as exc:
+                logger.warning("the stream to the scheduler at %s broke: %s %s", self.address,
+                               exc.code().name, exc.details())
+            finally:
+                if self._outbox is not None:
+                    self._outbox.put_nowait(None)
+                    self._outbox = None
+                self._fail_all(f"lost the connection to the scheduler at {self.address}")
+                self._set_ready(False)
+                await channel.close()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self._backoff_max_s)
+
+    async def _wait_until_ready(self, stub: scheduler_pb2_grpc.SchedulerServiceStub) -> SchedulerInfo:
+        """Poll GetSchedulerInfo with backoff until the scheduler says its workers are ready."""
+        backoff = self._backoff_initial_s
+        last_log = 0.0
+        while True:
+            try:
+                msg = await stub.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest(),
+                                                  timeout=self._info_timeout_s)
+                info = wire.info_from_proto(msg)
+                if info.ready:
+                    return info
+                state = "reachable, waiting for its workers to be ready"
+            except grpc.aio.AioRpcError as exc:
+                state = f"not reachable yet ({exc.code().name})"
+            if time.monotonic() - last_log >= _PROGRESS_LOG_INTERVAL_S:
+                logger.info("scheduler at %s is %s", self.address, state)
+                last_log = time.monotonic()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self._backoff_max_s)
+
+    def _set_ready(self, ready: bool) -> None:
+        if ready == self._ready.is_set():
+            return
+        if ready:
+            self._ready.set()
+        else:
+            self._ready.clear()
+        for callback in self.on_ready_change:
+            callback(ready)
+
+
+async def _drain(outbox: asyncio.Queue[scheduler_pb2.ConnectRequest | None],
+                 ) -> AsyncIterator[scheduler_pb2.ConnectRequest]:
+    """The request side of the Connect stream: whatever `_flush` queued, until None."""
+    while (message := await outbox.get()) is not None:
+        yield message

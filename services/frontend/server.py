@@ -1,0 +1,83 @@
+"""Frontend: assembles tokenizer, scheduler connection, engine, gRPC and HTTP servers.
+
+`__main__.serve` and the tests both start the service through this class, so they run the
+same wiring. Health (gRPC and HTTP /health) follows the scheduler connection: SERVING only
+while the stream is up and the scheduler reports ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+from grpc_health.v1 import health_pb2
+
+from services.frontend.config import FrontendConfig
+from services.frontend.engine_client import EngineClient
+from services.frontend.generation_defaults import GenerationDefaults
+from services.frontend.http_app import build_app, start_http
+from services.frontend.scheduler_client import SchedulerClient
+from services.frontend.servicer import SERVICE_NAME, register
+from services.frontend.tokenizer import Tokenizer
+from shared.grpc_server import GrpcService, start_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class Frontend:
+    """One running frontend replica. `start()`, then `stop()`; addresses are known after start."""
+
+    def __init__(self, config: FrontendConfig) -> None:
+        self.config = config
+        self.tokenizer = Tokenizer(config.model, config.tokenizer_threads)
+        self.scheduler = SchedulerClient(config.scheduler_addr, backoff_max_s=config.scheduler_backoff_max_s)
+        self.engine = EngineClient(config, self.tokenizer, self.scheduler,
+                                   GenerationDefaults.from_model_dir(config.model))
+        self.grpc: GrpcService | None = None
+        self.http_runner: web.AppRunner | None = None
+        self.http_address = ""
+        self._health_tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def grpc_address(self) -> str:
+        assert self.grpc is not None, "start() first"
+        return self.grpc.address
+
+    async def start(self) -> None:
+        self.grpc = await start_grpc(self.config.grpc_address, register(self.engine), [SERVICE_NAME])
+        self.http_runner, self.http_address = await start_http(build_app(self.engine), self.config.host,
+                                                               self.config.http_port)
+        self.scheduler.on_ready_change.append(self._on_scheduler_ready)
+        self.scheduler.start()
+        logger.info("listening on %s (gRPC) and http://%s (OpenAI HTTP), model %s; scheduler at %s",
+                    self.grpc.address, self.http_address, self.config.served_model_name,
+                    self.config.scheduler_addr)
+
+    def _on_scheduler_ready(self, ready: bool) -> None:
+        task = asyncio.create_task(self._set_health(ready))
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
+
+    async def _set_health(self, ready: bool) -> None:
+        assert self.grpc is not None
+        if ready:
+            await self.grpc.set_serving([SERVICE_NAME])
+            logger.info("ready: serving %s", self.config.served_model_name)
+            return
+        for name in ("", SERVICE_NAME):
+            await self.grpc.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        logger.warning("not ready: lost the scheduler, reconnecting")
+
+    async def stop_http(self) -> None:
+        """Stop taking HTTP requests (in-flight ones are cancelled, which aborts them)."""
+        if self.http_runner is not None:
+            await self.http_runner.cleanup()
+            self.http_runner = None
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        await self.stop_http()
+        if self.grpc is not None:
+            await self.grpc.server.stop(grace_s)
+        await self.scheduler.close()
+        self.tokenizer.close()

@@ -1,0 +1,63 @@
+"""gRPC adapter for spindle.v1.GenerationService: decode, one EngineClient call, encode.
+
+Typed errors propagate to shared.grpc_server's interceptor, which maps them to status codes.
+A client that cancels a Generate stream cancels this handler, which aborts the request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from services.frontend import wire
+from services.frontend.engine_client import EngineClient
+from services.frontend.messages import GenerateChunk
+from shared.pb.spindle.v1 import generation_pb2, generation_pb2_grpc
+from shared.types import RequestKind
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
+    def __init__(self, engine: EngineClient) -> None:
+        self._engine = engine
+
+    async def Generate(self, request: generation_pb2.GenerateRequest,  # noqa: N802 - gRPC method name
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        prepared = await self._engine.prepare(wire.generate_input_from_proto(request))
+        async with contextlib.aclosing(self._engine.run(prepared)) as events:
+            async for event in events:
+                if isinstance(event, GenerateChunk):
+                    yield wire.chunk_to_proto(event)
+                else:
+                    yield wire.complete_to_proto(event)
+
+    async def Tokenize(self, request: generation_pb2.TokenizeRequest,  # noqa: N802
+                       context: grpc.aio.ServicerContext) -> generation_pb2.TokenizeResponse:
+        result = await self._engine.tokenize(request.model, request.text, request.add_special_tokens)
+        return wire.tokenize_to_proto(result)
+
+    async def ListModels(self, request: generation_pb2.ListModelsRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> generation_pb2.ListModelsResponse:
+        return wire.models_to_proto(await self._engine.list_models())
+
+    async def Embed(self, request: generation_pb2.EmbedRequest,  # noqa: N802
+                    context: grpc.aio.ServicerContext) -> generation_pb2.EmbedResponse:
+        await self._engine.check_pooling(request.model, RequestKind.EMBED)
+        return generation_pb2.EmbedResponse()
+
+    async def Score(self, request: generation_pb2.ScoreRequest,  # noqa: N802
+                    context: grpc.aio.ServicerContext) -> generation_pb2.ScoreResponse:
+        await self._engine.check_pooling(request.model, RequestKind.SCORE)
+        return generation_pb2.ScoreResponse()
+
+
+def register(engine: EngineClient) -> Callable[[grpc.aio.Server], None]:
+    """A `start_grpc` register callback that adds the servicer to the server."""
+
+    def add(server: grpc.aio.Server) -> None:
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(engine), server)
+
+    return add

@@ -1,0 +1,81 @@
+"""The served model's Hugging Face tokenizer: encoding and chat templates off the event loop.
+
+Encoding a long prompt takes milliseconds, so it runs in a small thread pool (one thread by
+default: HF fast tokenizers must not be used from two threads at once). Decoding is done on
+the loop by the detokenizer, a few tokens at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from services.frontend.messages import ChatMessage, TokenizeResult
+from shared.errors import InvalidArgumentError
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Tokenizer:
+    """Wraps `transformers.AutoTokenizer` loaded from the model directory."""
+
+    def __init__(self, model_dir: str, num_threads: int = 1) -> None:
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(model_dir)
+        self.eos_token_id: int | None = self.hf.eos_token_id
+        self.has_chat_template = bool(getattr(self.hf, "chat_template", None))
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tokenizer")
+        logger.info("tokenizer loaded from %s (%d tokens, chat template: %s)", model_dir, len(self.hf),
+                    "yes" if self.has_chat_template else "no")
+
+    async def _run(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` (with BOS etc. when `add_special_tokens`)."""
+        return await self._run(functools.partial(self._encode, text, add_special_tokens))
+
+    def _render_chat(self, messages: list[ChatMessage]) -> str:
+        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            return str(self.hf.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True))
+        except Exception as exc:  # jinja2 errors raised by the template itself (e.g. role order)
+            raise InvalidArgumentError(f"messages: the chat template rejected them: {exc}") from exc
+
+    async def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+        """Apply the model's chat template (with the generation prompt) and tokenize the result.
+
+        The rendered template already holds the special tokens (BOS), so none are added again.
+        """
+        if not self.has_chat_template:
+            raise InvalidArgumentError(
+                "this model has no chat template, so chat requests are not supported; "
+                "use /v1/completions with a prompt instead"
+            )
+        text = await self._run(functools.partial(self._render_chat, messages))
+        return await self.encode(text, add_special_tokens=False)
+
+    async def tokenize(self, text: str, add_special_tokens: bool) -> TokenizeResult:
+        """Token ids of `text` and the text piece of each (the Tokenize RPC)."""
+        ids = await self.encode(text, add_special_tokens)
+        return TokenizeResult(token_ids=ids, tokens=[self.token_text(i) for i in ids])
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one Tokenizer lives as long as the process
+    def token_text(self, token_id: int) -> str:
+        """The text of one token on its own (special tokens included), for logprobs and Tokenize."""
+        return str(self.hf.decode([token_id], skip_special_tokens=False))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

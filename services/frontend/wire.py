@@ -1,0 +1,165 @@
+"""Conversion between the frontend's dataclasses and generation.proto / scheduler.proto.
+
+With servicer.py and scheduler_client.py, the only frontend module that touches *_pb2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.frontend.messages import (
+    AddRequest,
+    FinishReason,
+    GenerateChunk,
+    GenerateComplete,
+    GenerateInput,
+    ModelCard,
+    RequestUpdate,
+    SamplingRequest,
+    SchedulerInfo,
+    TokenizeResult,
+)
+from shared.errors import ErrorKind, SpindleError, error_from_kind
+from shared.execute_wire import sampling_to_proto
+from shared.pb.spindle.v1 import common_pb2, generation_pb2, scheduler_pb2
+from shared.types import RequestKind, StopReason
+
+# ---- scheduler.proto ------------------------------------------------------------------------
+
+
+def add_requests_to_proto(requests: Sequence[AddRequest]) -> scheduler_pb2.ConnectRequest:
+    """One ConnectRequest carrying every AddRequest issued in one loop iteration."""
+    batch = scheduler_pb2.AddRequests()
+    for r in requests:
+        batch.requests.append(scheduler_pb2.AddRequest(
+            request_id=r.request_id,
+            kind=int(r.kind),
+            prompt_token_ids=r.prompt_token_ids,
+            token_type_ids=r.token_type_ids,
+            sampling=sampling_to_proto(r.sampling),
+            priority=r.priority,
+            traceparent=r.traceparent,
+            deadline_unix_s=r.deadline_unix_s,
+        ))
+    return scheduler_pb2.ConnectRequest(add=batch)
+
+
+def abort_requests_to_proto(request_ids: Sequence[str]) -> scheduler_pb2.ConnectRequest:
+    return scheduler_pb2.ConnectRequest(abort=scheduler_pb2.AbortRequests(request_ids=request_ids))
+
+
+def _error_from_proto(msg: common_pb2.RequestError) -> SpindleError:
+    try:
+        kind = ErrorKind(msg.kind)
+    except ValueError:
+        kind = ErrorKind.INTERNAL
+    return error_from_kind(kind, msg.message or "the scheduler failed the request")
+
+
+def update_from_proto(msg: scheduler_pb2.RequestUpdate) -> RequestUpdate:
+    return RequestUpdate(
+        request_id=msg.request_id,
+        token_ids=list(msg.token_ids),
+        logprobs=list(msg.logprobs),
+        num_top_logprobs=msg.num_top_logprobs,
+        top_token_ids=list(msg.top_token_ids),
+        top_logprobs=list(msg.top_logprobs),
+        stop_reason=StopReason(msg.stop_reason) if msg.stop_reason else None,
+        stop_token_id=msg.stop_token_id if msg.HasField("stop_token_id") else None,
+        num_prompt_tokens=msg.num_prompt_tokens,
+        num_cached_tokens=msg.num_cached_tokens,
+        pooled=list(msg.pooled),
+        error=_error_from_proto(msg.error) if msg.HasField("error") and msg.error.kind else None,
+    )
+
+
+def info_from_proto(msg: scheduler_pb2.GetSchedulerInfoResponse) -> SchedulerInfo:
+    return SchedulerInfo(
+        ready=msg.ready,
+        model_id=msg.model_id,
+        task=RequestKind(msg.task) if msg.task else RequestKind.GENERATE,
+        max_model_len=msg.max_model_len,
+        vocab_size=msg.vocab_size,
+        num_workers=msg.num_workers,
+        num_kv_blocks=msg.num_kv_blocks,
+        block_size=msg.block_size,
+        max_request_tokens=msg.max_request_tokens,
+    )
+
+
+# ---- generation.proto -----------------------------------------------------------------------
+
+_OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty",
+                             "presence_penalty", "frequency_penalty", "max_tokens", "logprobs", "min_tokens")
+
+FINISH_REASONS: dict[FinishReason, int] = {
+    FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: generation_pb2.FINISH_REASON_ABORT,
+}
+
+MODEL_TASKS: dict[RequestKind, int] = {
+    RequestKind.GENERATE: generation_pb2.MODEL_TASK_GENERATE,
+    RequestKind.EMBED: generation_pb2.MODEL_TASK_EMBED,
+    RequestKind.SCORE: generation_pb2.MODEL_TASK_SCORE,
+}
+
+
+def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingRequest:
+    values = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)}
+    return SamplingRequest(
+        **values,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def generate_input_from_proto(msg: generation_pb2.GenerateRequest) -> GenerateInput:
+    which = msg.WhichOneof("prompt")
+    return GenerateInput(
+        model=msg.model,
+        prompt_text=msg.text if which == "text" else None,
+        prompt_token_ids=list(msg.token_ids.ids) if which == "token_ids" else None,
+        sampling=sampling_from_proto(msg.sampling),
+        priority=msg.priority,
+        request_id=msg.request_id,
+    )
+
+
+def chunk_to_proto(chunk: GenerateChunk) -> generation_pb2.GenerateResponse:
+    out = generation_pb2.GenerateChunk(token_ids=chunk.token_ids, text=chunk.text)
+    for position in chunk.logprobs or ():
+        entry = out.logprobs.add()
+        entry.chosen.token_id = position.chosen.token_id
+        entry.chosen.logprob = position.chosen.logprob
+        for top in position.top:
+            entry.top.add(token_id=top.token_id, logprob=top.logprob)
+    return generation_pb2.GenerateResponse(request_id=chunk.request_id, chunk=out)
+
+
+def complete_to_proto(complete: GenerateComplete) -> generation_pb2.GenerateResponse:
+    usage = complete.usage
+    return generation_pb2.GenerateResponse(
+        request_id=complete.request_id,
+        complete=generation_pb2.GenerateComplete(
+            finish_reason=FINISH_REASONS[complete.finish_reason],
+            usage=generation_pb2.Usage(
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                cached_prompt_tokens=usage.cached_prompt_tokens,
+            ),
+            matched_stop=complete.matched_stop or "",
+        ),
+    )
+
+
+def tokenize_to_proto(result: TokenizeResult) -> generation_pb2.TokenizeResponse:
+    return generation_pb2.TokenizeResponse(token_ids=result.token_ids, tokens=result.tokens)
+
+
+def models_to_proto(cards: Sequence[ModelCard]) -> generation_pb2.ListModelsResponse:
+    return generation_pb2.ListModelsResponse(models=[
+        generation_pb2.ModelCard(id=c.id, task=MODEL_TASKS[c.task], max_model_len=c.max_model_len)
+        for c in cards
+    ])
