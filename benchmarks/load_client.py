@@ -112,6 +112,10 @@ async def send_request(session: aiohttp.ClientSession, config: LoadConfig, reque
                     break
                 chunk = json.loads(data)
                 now = time.perf_counter()
+                if chunk.get("error"):
+                    # vLLM-style in-stream error: the status was already 200.
+                    result.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
+                    return result
                 if _chunk_has_output(chunk):
                     if num_output_chunks == 0:
                         result.ttft_s = now - start

@@ -42,6 +42,12 @@ def _sse(obj: object) -> bytes:
 async def _completions(request: web.Request) -> web.StreamResponse:
     state: MockState = request.app[STATE]
     body = await request.json()
+    if body["model"] == "stream-error":
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(_sse({"choices": [{"index": 0, "text": " t0", "finish_reason": None}]}))
+        await resp.write(_sse({"error": {"message": "worker died", "code": 500}}))
+        return resp
     if body["model"] != "mock":
         return web.json_response({"error": {"message": "no such model"}}, status=404)
     state.bodies.append(body)
@@ -125,6 +131,9 @@ async def test_server_errors_are_recorded_not_raised(mock_server: tuple[str, Moc
     assert run.summary.num_failed == 2 and run.summary.num_completed == 0
     assert run.summary.output_throughput == 0.0
     assert run.summary.errors and "HTTP 404" in run.summary.errors[0]
+
+    run = await run_load(LoadConfig(url, "stream-error", show_progress=False), _requests(1, 3))
+    assert run.summary.num_failed == 1 and "worker died" in run.summary.errors[0]
 
 
 async def test_poisson_rate_and_warmup(mock_server: tuple[str, MockState]) -> None:
