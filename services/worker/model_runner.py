@@ -1,0 +1,126 @@
+"""The model runner: executes scheduler rounds (one or more forward passes each).
+
+Rule (vLLM V2): this hot path is shared by all models; feature logic lives elsewhere
+(request state, input building, attention, sampling, penalties) and is called from here.
+Multi-step is the small loop in `execute_round`: step k+1 is launched before step k's tokens
+are awaited on the host, and every step's tokens go to `on_step` as soon as they arrive.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from services.worker.attention import AttentionBackend
+from services.worker.input_builder import ModelInput, ModelInputBuilder
+from services.worker.request_states import RequestStates
+from services.worker.sampler import Sampler
+from services.worker.sampling_state import SamplingMetadata, SamplingState
+from services.worker.step_output import HostCopier, SampledStep
+from shared.errors import InvalidArgumentError
+from shared.execute import ExecuteRound
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Holds the model, its KV cache and the per-request state of one Execute stream."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: AttentionBackend,
+        kv_caches: list[torch.Tensor],
+        *,
+        max_model_len: int,
+        block_size: int,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.copier = HostCopier(device)
+        self.generator = torch.Generator(device=device)
+        self.generator.seed()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every request (a new Execute stream starts from scratch); the KV cache stays."""
+        self.states = RequestStates(self.max_model_len, self.block_size)
+        self.sampling_state = SamplingState(self.vocab_size, self.eos_token_ids, self.device)
+        self.input_builder = ModelInputBuilder(self.states, self.backend.metadata_builder(), self.device)
+        self.sampler = Sampler(self.sampling_state.penalty_tables, self.generator)
+
+    def execute_round(self, round_: ExecuteRound, on_step: Callable[[SampledStep], None]) -> None:
+        """Run `round_.num_steps` forward passes; call `on_step` once per step, in order."""
+        if round_.pooling_requests:
+            raise InvalidArgumentError(
+                "this worker serves a generative model; it cannot run pooling requests"
+            )
+        self.sampling_state.release(self.states.remove(round_.finished_request_ids))
+        rows, num_scheduled = self.states.add_and_extend(round_)
+        for row, new in zip(rows.tolist(), round_.new_requests, strict=False):
+            self.sampling_state.add(row, new)
+        num_steps = max(round_.num_steps, 1)
+        with torch.inference_mode():
+            self._run_steps(round_.round_id, num_steps, rows, num_scheduled, on_step)
+
+    def _run_steps(
+        self,
+        round_id: int,
+        num_steps: int,
+        rows: np.ndarray,
+        num_scheduled: np.ndarray,
+        on_step: Callable[[SampledStep], None],
+    ) -> None:
+        inputs: ModelInput | None = None
+        metadata: SamplingMetadata | None = None
+        request_ids: list[str] = []
+        pending: SampledStep | None = None
+        sampled: torch.Tensor | None = None
+        for step in range(num_steps):
+            out = SampledStep(round_id, step, step == num_steps - 1, request_ids)
+            if metadata is not None and inputs is not None:
+                out.rows = inputs.sample_rows
+            if step == 0 and len(rows):
+                inputs = self.input_builder.build(rows, num_scheduled)
+                if len(inputs.sample_rows):
+                    metadata = self.sampling_state.build(inputs.sample_rows)
+                    request_ids = [self.states.request_ids[r] or "" for r in inputs.sample_rows.tolist()]
+                    out.request_ids, out.rows = request_ids, inputs.sample_rows
+            elif metadata is not None and inputs is not None and sampled is not None:
+                inputs = self.input_builder.advance(inputs, sampled)
+            else:
+                inputs = None  # nothing left to compute in this round: an empty step
+            if inputs is not None:
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+                if metadata is not None:
+                    logits = self.model.compute_logits(hidden[inputs.logits_indices])
+                    result = self.sampler(logits, metadata, step)
+                    sampled = result.token_ids
+                    self.copier.start(result, out, metadata.num_logprobs)
+            if pending is not None:
+                self._deliver(pending, on_step)
+            pending = out
+        if pending is not None:
+            self._deliver(pending, on_step)
+        if metadata is not None and inputs is not None:
+            self.sampling_state.record_round(inputs.sample_rows, num_steps)
+
+    def _deliver(self, step: SampledStep, on_step: Callable[[SampledStep], None]) -> None:
+        """Wait for a step's host copy, record its tokens in the request state, hand it on."""
+        step.wait()
+        if step.token_ids is not None and step.rows is not None:
+            self.states.append_tokens(step.rows, step.token_ids.numpy())
+        on_step(step)
