@@ -1,0 +1,153 @@
+"""Entry point of the worker service: flags (SPINDLE_* env defaults) -> WorkerConfig -> serve.
+
+`python -m services.worker --model DIR` or `spindle worker ...`. The gRPC server starts first
+(health NOT_SERVING), the model loads off the event loop, then health turns SERVING.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+
+import grpc
+import uvloop
+
+from services.worker.config import DEFAULT_LISTEN, WorkerConfig
+from services.worker.round_pipeline import RoundPipeline
+from services.worker.servicer import WorkerServicer
+from services.worker.worker import Worker
+from shared.grpc_server import start_grpc, wait_for_shutdown
+from shared.logs import setup_logging
+from shared.pb.spindle.v1 import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"SPINDLE_{name}", default)
+
+
+def _optional_int(value: str) -> int | None:
+    return int(value) if value else None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=_env("MODEL", ""), help="HF model directory [SPINDLE_MODEL]")
+    parser.add_argument(
+        "--listen",
+        default=_env("WORKER_LISTEN", DEFAULT_LISTEN),
+        help="host:port of the WorkerService [SPINDLE_WORKER_LISTEN]",
+    )
+    parser.add_argument(
+        "--device", default=_env("DEVICE", "auto"), choices=("auto", "cpu", "cuda"), help="[SPINDLE_DEVICE]"
+    )
+    parser.add_argument(
+        "--dtype",
+        default=_env("DTYPE", "auto"),
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="auto: float32 on CPU, bfloat16 on CUDA [SPINDLE_DTYPE]",
+    )
+    parser.add_argument(
+        "--attention-backend",
+        default=_env("ATTENTION_BACKEND", "auto"),
+        help="auto, sdpa, naive or flash-attn [SPINDLE_ATTENTION_BACKEND]",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=int(_env("BLOCK_SIZE", "16")),
+        help="tokens per KV block [SPINDLE_BLOCK_SIZE]",
+    )
+    parser.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=int(_env("KV_CACHE_BYTES", str(512 * 1024 * 1024))),
+        help="KV cache budget on CPU [SPINDLE_KV_CACHE_BYTES]",
+    )
+    parser.add_argument(
+        "--gpu-memory-fraction",
+        type=float,
+        default=float(_env("GPU_MEMORY_FRACTION", "0.9")),
+        help="share of GPU memory to use [SPINDLE_GPU_MEMORY_FRACTION]",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=int(_env("MAX_NUM_SEQS", "256")),
+        help="most requests per forward pass [SPINDLE_MAX_NUM_SEQS]",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=int(_env("MAX_NUM_BATCHED_TOKENS", "2048")),
+        help="most tokens per forward pass [SPINDLE_MAX_NUM_BATCHED_TOKENS]",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=_optional_int,
+        default=_optional_int(_env("MAX_MODEL_LEN", "")),
+        help="longest sequence (default: the model's max_position_embeddings) [SPINDLE_MAX_MODEL_LEN]",
+    )
+    parser.add_argument(
+        "--num-threads",
+        type=_optional_int,
+        default=_optional_int(_env("NUM_THREADS", "")),
+        help="torch CPU threads [SPINDLE_NUM_THREADS]",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(
+        model=args.model,
+        listen=args.listen,
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_bytes,
+        gpu_memory_fraction=args.gpu_memory_fraction,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        num_threads=args.num_threads,
+    )
+
+
+async def serve(config: WorkerConfig) -> None:
+    """Serve until SIGTERM/SIGINT; SERVING once the model is loaded and the KV cache allocated."""
+    servicer = WorkerServicer()
+
+    def register(server: grpc.aio.Server) -> None:
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
+
+    service = await start_grpc(config.listen, register, [SERVICE_NAME])
+    worker = await asyncio.to_thread(Worker, config)
+    pipeline = RoundPipeline(worker.runner)
+    servicer.attach(worker.info, pipeline)
+    await service.set_serving([SERVICE_NAME])
+    logger.info("listening on %s", service.address)
+    try:
+        await wait_for_shutdown(service)
+    finally:
+        pipeline.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="spindle worker", description="spindle worker service")
+    add_arguments(parser)
+    args = parser.parse_args()
+    setup_logging("worker")
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    with contextlib.suppress(KeyboardInterrupt):
+        uvloop.run(serve(config))
+
+
+if __name__ == "__main__":
+    main()

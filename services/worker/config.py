@@ -1,0 +1,62 @@
+"""`WorkerConfig`: every knob of the worker service, built once in `__main__`.
+
+Frozen and validated here; nothing below `__main__` reads the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_LISTEN = "0.0.0.0:50061"
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """Worker settings (Helm `worker.*` values map 1:1 onto these).
+
+    Attributes:
+        model: local HF model directory (config.json, *.safetensors, tokenizer).
+        listen: address the WorkerService listens on.
+        device: auto (cuda when available), cpu or cuda.
+        dtype: auto (float32 on CPU, bfloat16 on CUDA) or an explicit torch dtype name.
+        attention_backend: auto, sdpa, naive or flash-attn.
+        block_size: tokens per KV-cache block.
+        kv_cache_bytes: KV-cache budget on CPU (on CUDA it is measured instead).
+        gpu_memory_fraction: share of GPU memory the worker may use (weights, activations, KV cache).
+        max_num_seqs: most requests in one forward pass (sizes the CUDA profiling run).
+        max_num_batched_tokens: most tokens in one forward pass (sizes the CUDA profiling run).
+        max_model_len: longest sequence; None = the model's max_position_embeddings.
+        num_threads: torch CPU threads; None keeps torch's default.
+    """
+
+    model: str
+    listen: str = DEFAULT_LISTEN
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    block_size: int = 16
+    kv_cache_bytes: int = 512 * 1024 * 1024
+    gpu_memory_fraction: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must name a model directory (--model / SPINDLE_MODEL)")
+        if self.device not in DEVICES:
+            raise ValueError(f"{self.device=} must be one of {DEVICES}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"{self.dtype=} must be one of {DTYPES}")
+        for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(f"{self.gpu_memory_fraction=} must be in (0, 1]")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"{self.max_model_len=} must be >= 1")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"{self.num_threads=} must be >= 1")

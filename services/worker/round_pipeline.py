@@ -1,0 +1,94 @@
+"""`RoundPipeline`: runs one Execute stream's rounds on the single compute thread, in order.
+
+Rounds go to a one-thread executor as they arrive (so the next round is queued while the
+current one computes); each step's `SampledStep` comes back through an asyncio queue fed with
+`loop.call_soon_threadsafe`, and is converted to a `StepOutput` here, on the event loop, not in
+the compute thread. A failed round ends the stream with its exception; later rounds are skipped.
+No grpc or protobuf here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from services.worker.model_runner import ModelRunner
+from services.worker.step_output import SampledStep
+from shared.errors import UnavailableError
+from shared.execute import ExecuteRound, StepOutput
+
+logger = logging.getLogger(__name__)
+
+
+class RoundFailedError(Exception):
+    """A round raised in the compute thread; `cause` holds the original exception."""
+
+    def __init__(self, round_id: int, cause: BaseException) -> None:
+        super().__init__(f"round {round_id} failed: {type(cause).__name__}: {cause}")
+        self.round_id = round_id
+        self.cause = cause
+
+
+class RoundPipeline:
+    """Serialises Execute streams onto the worker's compute thread (one stream at a time)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spindle-compute")
+        self._active = False
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def run(self, rounds: AsyncIterator[ExecuteRound]) -> AsyncIterator[StepOutput]:
+        """Step outputs of `rounds`, in order; raises RoundFailedError when a round fails."""
+        if self._active:
+            raise UnavailableError("another Execute stream is active on this worker")
+        self._active = True
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[SampledStep | BaseException | None] = asyncio.Queue()
+        failed = threading.Event()
+
+        def on_step(step: SampledStep) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, step)
+
+        def execute(round_: ExecuteRound) -> None:
+            if failed.is_set():
+                return  # an earlier round failed: the state is no longer trustworthy
+            try:
+                self.runner.execute_round(round_, on_step)
+            except Exception as exc:
+                failed.set()
+                logger.exception("round %d failed", round_.round_id)
+                loop.call_soon_threadsafe(queue.put_nowait, RoundFailedError(round_.round_id, exc))
+
+        async def feed() -> None:
+            pending: list[asyncio.Future[None]] = []
+            try:
+                async for round_ in rounds:
+                    if failed.is_set():
+                        break
+                    pending = [f for f in pending if not f.done()]
+                    pending.append(loop.run_in_executor(self.executor, execute, round_))
+                await asyncio.gather(*pending)
+            except Exception as exc:  # the request stream itself broke (bad message, cancelled peer)
+                failed.set()
+                queue.put_nowait(exc)
+            queue.put_nowait(None)
+
+        try:
+            await loop.run_in_executor(self.executor, self.runner.reset)  # a stream starts from scratch
+            feeder = asyncio.create_task(feed())
+            try:
+                while (item := await queue.get()) is not None:
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item.to_step_output()
+            finally:
+                failed.set()
+                feeder.cancel()
+        finally:
+            self._active = False

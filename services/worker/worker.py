@@ -1,0 +1,160 @@
+"""`Worker`: loads the model, sizes and allocates the KV cache, and owns the model runner.
+
+Everything here happens once at startup; the per-round work is the runner's. Device, dtype and
+backend choices are resolved here from `WorkerConfig` and reported in `WorkerInfo`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from services.worker.attention import AttentionBackend, create_backend, resolve_backend_name
+from services.worker.config import WorkerConfig
+from services.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for_budget
+from services.worker.model_runner import ModelRunner
+from services.worker.models.config import DecoderConfig
+from services.worker.models.loader import load_model, parse_config, read_hf_config
+from shared.execute import ExecuteRound, NewRequestData, WorkerInfo
+from shared.sampling import SamplingOptions
+from shared.types import RequestKind
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class Worker:
+    """A loaded model with its KV cache, ready to execute rounds."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        backend_name = resolve_backend_name(config.attention_backend, self.device.type)
+        self.backend = create_backend(backend_name, config.block_size)
+        self.model_config = parse_config(read_hf_config(config.model))
+        self.max_model_len = self._max_model_len(self.model_config)
+        self.model = load_model(config.model, self.backend, self.dtype, self.device)
+        if self.device.type == "cuda":
+            num_blocks = self._profile_num_blocks()
+        else:
+            num_blocks = num_blocks_for_budget(
+                self.model_config, config.block_size, self.dtype, config.kv_cache_bytes
+            )
+        self.runner = self._make_runner(
+            allocate_kv_caches(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
+        )
+        self.info = WorkerInfo(
+            model_id=Path(config.model).resolve().name,
+            task=RequestKind.GENERATE,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=config.block_size,
+            num_kv_blocks=num_blocks,
+            eos_token_ids=self.model_config.eos_token_ids,
+            attention_backend=backend_name,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+        )
+        logger.info(
+            "worker ready: model=%s dtype=%s device=%s backend=%s num_kv_blocks=%d (%d tokens) max_model_len=%d",
+            self.info.model_id,
+            self.info.dtype,
+            self.info.device,
+            backend_name,
+            num_blocks,
+            num_blocks * config.block_size,
+            self.max_model_len,
+        )
+
+    def _max_model_len(self, model_config: DecoderConfig) -> int:
+        limit = model_config.max_position_embeddings
+        if self.config.max_model_len is None:
+            return limit
+        if self.config.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={self.config.max_model_len} exceeds the model's {limit} positions"
+            )
+        return self.config.max_model_len
+
+    def _make_runner(
+        self, kv_caches: list[torch.Tensor], backend: AttentionBackend | None = None
+    ) -> ModelRunner:
+        return ModelRunner(
+            self.model,
+            backend or self.backend,
+            kv_caches,
+            max_model_len=self.max_model_len,
+            block_size=self.config.block_size,
+            vocab_size=self.model_config.vocab_size,
+            eos_token_ids=self.model_config.eos_token_ids,
+            device=self.device,
+        )
+
+    def _profile_num_blocks(self) -> int:
+        """KV blocks that fit after a forward pass at the largest batch (CUDA only).
+
+        budget = total * gpu_memory_fraction - peak memory of the profiling round (weights and
+        activations, minus its own small cache) - memory held outside torch.
+        """
+        cfg, bs = self.config, self.config.block_size
+        num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens))
+        per_seq = max(1, min(cfg.max_num_batched_tokens // num_seqs, self.max_model_len))
+        blocks_per_seq = -(-per_seq // bs)
+        num_blocks = num_seqs * blocks_per_seq
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        runner = self._make_runner(
+            allocate_kv_caches(self.model_config, num_blocks, bs, self.dtype, self.device)
+        )
+        sampling = SamplingOptions(temperature=1.0, top_k=50, top_p=0.9)
+        profile = ExecuteRound(
+            round_id=0,
+            new_requests=[
+                NewRequestData(
+                    f"profile-{i}",
+                    [0] * per_seq,
+                    per_seq,
+                    0,
+                    list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
+                    sampling,
+                )
+                for i in range(num_seqs)
+            ],
+            num_scheduled_tokens=[per_seq] * num_seqs,
+        )
+        runner.execute_round(profile, lambda step: step.wait())
+        torch.cuda.synchronize(self.device)
+        block_bytes = bytes_per_block(self.model_config, bs, self.dtype)
+        peak = torch.cuda.max_memory_allocated(self.device) - num_blocks * block_bytes
+        del runner
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        outside_torch = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * cfg.gpu_memory_fraction - peak - outside_torch)
+        logger.info(
+            "profiled peak %.2f GiB of %.2f GiB; KV budget %.2f GiB",
+            peak / 2**30,
+            total / 2**30,
+            budget / 2**30,
+        )
+        return num_blocks_for_budget(self.model_config, bs, self.dtype, budget)
