@@ -99,6 +99,7 @@ class SchedulerClient:
         self._task = asyncio.create_task(self._run(), name="scheduler-client")
 
     async def close(self) -> None:
+        self.on_ready_change.clear()  # shutting down: nobody needs to hear about it
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

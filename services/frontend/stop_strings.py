@@ -14,7 +14,7 @@ class StopStringMatcher:
     """Filters one request's text deltas; `matched` is set once a stop string appeared.
 
     Invariant: the concatenation of every `feed` result and `flush` is the output text, cut
-    before the first (earliest-starting) stop string when one occurs.
+    before the stop string that completes first (the longer one on a tie), if any.
     """
 
     def __init__(self, stop: Sequence[str]) -> None:
@@ -32,13 +32,15 @@ class StopStringMatcher:
         if not self._stops or self.matched is not None:
             return "" if self.matched is not None else text
         buf = self._held + text
-        # Only the held tail plus the new text can contain a stop string that was not
-        # found before, so the search is O(len(text) + longest stop string).
-        first_at, first_stop = len(buf), None
+        # Only the held tail plus the new text can contain a stop string that was not found
+        # before, so the search is O(len(text) + longest stop string). The stop string that
+        # completes first wins (ties: the longer one), so the result does not depend on how
+        # the text was split into steps.
+        first_end, first_at, first_stop = len(buf), len(buf), None
         for stop in self._stops:
-            at = buf.find(stop, 0, first_at + len(stop))
-            if at != -1 and (at < first_at or (at == first_at and len(stop) > len(first_stop or ""))):
-                first_at, first_stop = at, stop
+            at = buf.find(stop, 0, first_end)
+            if at != -1 and (at + len(stop) < first_end or at < first_at):
+                first_end, first_at, first_stop = at + len(stop), at, stop
         if first_stop is not None:
             self.matched = first_stop
             self._held = ""
