@@ -1,0 +1,55 @@
+"""`SchedulerConfig`: every knob of the scheduler service, built once in `__main__`.
+
+Frozen and validated here; nothing below `__main__` reads the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_LISTEN = "0.0.0.0:50052"
+DEFAULT_WORKER_ADDRS = "127.0.0.1:50061"
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Scheduler settings (Helm `scheduler.*` values map 1:1 onto these).
+
+    Attributes:
+        listen: address the SchedulerService listens on.
+        worker_addresses: one WorkerService per data-parallel worker.
+        max_num_seqs: most requests holding KV blocks on one worker at once.
+        max_num_batched_tokens: most tokens computed in step 0 of one round on one worker.
+        num_scheduler_steps: decode steps per round when no prefill is pending (multi-step).
+        enable_prefix_caching: share full computed KV blocks between requests by hash.
+        enable_priority_preemption: a waiting request may preempt running lower-priority ones.
+        max_inflight_rounds: rounds sent to a worker whose last step has not come back
+            (2 = plan and send round k+1 while the worker runs round k).
+        worker_ready_timeout_s: give up waiting for a worker's GetWorkerInfo after this long
+            (0 waits forever).
+        stats_interval_s: period of the INFO counters log while busy.
+    """
+
+    listen: str = DEFAULT_LISTEN
+    worker_addresses: tuple[str, ...] = (DEFAULT_WORKER_ADDRS,)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    num_scheduler_steps: int = 1
+    enable_prefix_caching: bool = True
+    enable_priority_preemption: bool = False
+    max_inflight_rounds: int = 2
+    worker_ready_timeout_s: float = 0.0
+    stats_interval_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.worker_addresses:
+            raise ValueError(f"{self.worker_addresses=} must name at least one worker")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps",
+                     "max_inflight_rounds"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name}={value} must be >= 1")
+        if self.worker_ready_timeout_s < 0:
+            raise ValueError(f"{self.worker_ready_timeout_s=} must be >= 0")
+        if self.stats_interval_s <= 0:
+            raise ValueError(f"{self.stats_interval_s=} must be > 0")

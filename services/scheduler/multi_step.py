@@ -1,0 +1,49 @@
+"""`choose_num_steps`: how many forward passes the next round of one worker runs.
+
+Policy (multi-step, RFC 6854 taken further):
+  * 1 step when a prefill is pending: a running request is mid-prefill (chunked), or the
+    head of the waiting queue could be admitted now (a free sequence slot and a free block).
+    A new request therefore waits at most for the rounds already in flight (at most
+    `max_inflight_rounds` x n steps) before its prefill starts, and prefills only ever run
+    in 1-step rounds, so TTFT stays bounded by n, not by the length of other requests.
+  * otherwise n = num_scheduler_steps, cut to the largest number of tokens any decoding
+    request can still use (no round of 8 steps for requests that want 2 more tokens), and
+    to the context room of the request closest to max_model_len (a step never computes a
+    position >= max_model_len).
+Tokens a request samples after its stop inside a round are discarded by the output
+processor; its lookahead blocks are freed with the request.
+"""
+
+from __future__ import annotations
+
+from services.scheduler.request import Request
+from services.scheduler.worker_state import WorkerState
+
+
+def is_certain_to_finish(request: Request, max_model_len: int) -> bool:
+    """True when rounds in flight already sample the request's last token: don't schedule it."""
+    num_inflight = request.num_inflight_tokens
+    return (request.num_output_tokens + num_inflight >= request.sampling.max_tokens
+            or request.num_tokens + num_inflight >= max_model_len)
+
+
+def choose_num_steps(ws: WorkerState, num_scheduler_steps: int, max_num_seqs: int,
+                     max_model_len: int) -> int:
+    if num_scheduler_steps == 1 or ws.kv is None:
+        return 1
+    if ws.waiting and len(ws.running) < max_num_seqs and ws.kv.num_free_blocks > 0:
+        return 1
+    wanted = 1
+    room = num_scheduler_steps
+    for request in ws.running:
+        if is_certain_to_finish(request, max_model_len):
+            continue
+        num_known = request.num_optimistic_tokens
+        if request.num_computed_tokens < num_known - 1:
+            return 1  # mid-prefill
+        remaining = request.sampling.max_tokens - request.num_output_tokens - request.num_inflight_tokens
+        if remaining > wanted:
+            wanted = remaining
+        # This round computes positions num_known-1 .. num_known+n-2; keep them < max_model_len.
+        room = min(room, max_model_len - num_known + 1)
+    return max(1, min(num_scheduler_steps, wanted, room))

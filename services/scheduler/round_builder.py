@@ -1,0 +1,172 @@
+"""`RoundBuilder`: plans one `ExecuteRound` for one worker (chunked prefill, preemption).
+
+Running requests first (decodes and unfinished prefill chunks, in running order), then
+waiting ones, until the token budget, the sequence limit or the KV pool runs out. Request
+counters change only in `_finalize`, once the round is fixed, so a request taken out of the
+round again (priority preemption) needs no undo beyond freeing its blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv_block_manager import KVBlockManager
+from services.scheduler.multi_step import choose_num_steps, is_certain_to_finish
+from services.scheduler.request import Request, RequestStatus
+from services.scheduler.worker_state import InflightEntry, InflightRound, WorkerState
+from shared.execute import CachedRequestData, ExecuteRound, NewRequestData
+
+
+@dataclass(slots=True)
+class _Entry:
+    request: Request
+    num_tokens: int  # step-0 tokens
+    new_block_ids: list[int]  # blocks appended this round (all blocks for a new request)
+    is_new: bool
+    samples: bool
+
+
+class RoundBuilder:
+    """Builds rounds for the generate path; stateless between calls."""
+
+    def __init__(self, config: SchedulerConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+
+    def build(self, ws: WorkerState) -> ExecuteRound | None:
+        """The next round for `ws`, or None when there is nothing to run."""
+        assert ws.kv is not None
+        plan = _Plan(self, ws, ws.kv)
+        plan.schedule_running()
+        plan.schedule_waiting()
+        return plan.finalize()
+
+
+class _Plan:
+    """One round under construction."""
+
+    def __init__(self, builder: RoundBuilder, ws: WorkerState, kv: KVBlockManager) -> None:
+        config = builder.config
+        self.ws = ws
+        self.kv = kv
+        self.config = config
+        self.max_model_len = builder.max_model_len
+        self.budget = config.max_num_batched_tokens
+        self.num_steps = choose_num_steps(ws, config.num_scheduler_steps, config.max_num_seqs,
+                                          builder.max_model_len)
+        self.entries: dict[str, _Entry] = {}
+        self.preempted = False
+
+    def schedule_running(self) -> None:
+        kv, ws = self.kv, self.ws
+        for request in list(ws.running):
+            if self.budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if is_certain_to_finish(request, self.max_model_len):
+                continue
+            remaining = request.num_optimistic_tokens - request.num_computed_tokens
+            assert remaining >= 1, f"{request.request_id}: nothing left to compute"
+            num_tokens = min(remaining, self.budget)
+            samples = num_tokens == remaining
+            lookahead = self.num_steps - 1 if samples else 0
+            while (new_blocks := kv.allocate_slots(request, num_tokens, lookahead)) is None:
+                victim = ws.running[-1]
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if new_blocks is not None:
+                self._add(_Entry(request, num_tokens, new_blocks, False, samples))
+
+    def schedule_waiting(self) -> None:
+        if self.preempted:
+            return  # blocks are short: let running requests go first
+        kv, ws, config = self.kv, self.ws, self.config
+        while ws.waiting and self.budget > 0:
+            request = ws.waiting.peek()
+            if len(ws.running) >= config.max_num_seqs and not self._preempt_lower(request):
+                return
+            while True:
+                computed, num_hit = kv.get_computed_blocks(request)
+                remaining = request.num_tokens - num_hit
+                num_tokens = min(remaining, self.budget)
+                samples = num_tokens == remaining
+                lookahead = self.num_steps - 1 if samples else 0
+                blocks = kv.allocate_slots(request, num_tokens, lookahead, computed)
+                if blocks is not None or not self._preempt_lower(request):
+                    break
+            if blocks is None:
+                return
+            ws.waiting.pop()
+            ws.admit(request, num_hit)
+            self._add(_Entry(request, num_tokens, blocks, True, samples))
+
+    def _preempt_lower(self, request: Request) -> bool:
+        """Priority preemption: evict the last running request if its priority is lower."""
+        running = self.ws.running
+        if not (self.config.enable_priority_preemption and running
+                and running[-1].priority < request.priority):
+            return False
+        self._preempt(running[-1])
+        return True
+
+    def _preempt(self, victim: Request) -> None:
+        entry = self.entries.pop(victim.request_id, None)
+        # Victims are last in running order, and requests admitted this round have at least
+        # the waiting head's priority, so a victim is never one this round admitted.
+        assert entry is None or not entry.is_new
+        if entry is not None:
+            self.budget += entry.num_tokens
+        self.ws.preempt(victim)
+        self.preempted = True
+
+    def _add(self, entry: _Entry) -> None:
+        self.entries[entry.request.request_id] = entry
+        self.budget -= entry.num_tokens
+
+    def finalize(self) -> ExecuteRound | None:
+        ws = self.ws
+        if not self.entries:
+            return None
+        entries = [e for e in self.entries.values() if e.is_new]
+        entries += [e for e in self.entries.values() if not e.is_new]
+        num_steps = self.num_steps
+        rnd = ExecuteRound(round_id=ws.next_round_id, num_steps=num_steps)
+        record = InflightRound(rnd.round_id, num_steps)
+        sampler_ids, samplers = record.sampler_ids, record.samplers
+        cached = rnd.cached_requests = CachedRequestData()
+        for e in entries:
+            request = e.request
+            start = request.num_computed_tokens
+            if e.is_new:
+                rnd.new_requests.append(NewRequestData(
+                    request_id=request.request_id,
+                    token_ids=list(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_computed_tokens=start,
+                    block_ids=list(e.new_block_ids),
+                    sampling=request.sampling,
+                    traceparent=request.traceparent,
+                ))
+                request.is_on_worker = True
+            else:
+                cached.request_ids.append(request.request_id)
+                cached.new_block_ids.append(e.new_block_ids)
+            rnd.num_scheduled_tokens.append(e.num_tokens)
+            step0_end = start + e.num_tokens
+            if e.samples:
+                sampler_ids.append(request.request_id)
+                samplers.append(request)
+                request.num_computed_tokens = step0_end + num_steps - 1
+                request.num_inflight_tokens += num_steps
+            else:
+                request.num_computed_tokens = step0_end
+            request.num_inflight_rounds += 1
+            record.entries.append(InflightEntry(request, step0_end, e.samples))
+        rnd.finished_request_ids = ws.take_finished_ids()
+        ws.next_round_id += 1
+        ws.num_rounds += 1
+        ws.inflight.append(record)
+        return rnd

@@ -1,0 +1,227 @@
+"""`Scheduler`: the policy entry point: accept, place, schedule, apply outputs, abort.
+
+RULE (hot path, as vLLM V2's model runner): this module is shared by every model and task;
+feature logic lives elsewhere and is called from here: round planning in round_builder.py
+(chunked prefill, preemption), multi_step.py (steps per round), pooling.py (prefill-only
+models), placement.py (data parallel), output_processor.py (stops), kv_block_manager.py
+(blocks, prefix cache). Everything here is O(changed) per call except `schedule`, whose
+cost is proportional to the requests it puts in the round. No I/O, no asyncio, no protobuf.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.output_processor import OutputProcessor
+from services.scheduler.placement import choose_worker
+from services.scheduler.pooling import build_pooling_round
+from services.scheduler.request import Request
+from services.scheduler.round_builder import RoundBuilder
+from services.scheduler.updates import RequestError, RequestUpdate, UpdateSink
+from services.scheduler.worker_state import WorkerState
+from shared.errors import ErrorKind
+from shared.execute import ExecuteRound, StepOutput, WorkerInfo
+from shared.types import RequestKind, StopReason
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerStats:
+    num_rounds: int
+    num_running: int
+    num_waiting: int  # including preempted ones
+    num_preemptions: int
+    num_prefix_query_tokens: int
+    num_prefix_hit_tokens: int
+    num_free_blocks: int
+    num_kv_blocks: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_prefix_hit_tokens / self.num_prefix_query_tokens if self.num_prefix_query_tokens else 0.0
+
+
+class Scheduler:
+    """Continuous batching over one or more data-parallel workers.
+
+    Args:
+        config: limits and feature switches.
+        worker_infos: what each worker reported (same model, task and block size on all).
+        worker_addresses: for messages only.
+    """
+
+    def __init__(self, config: SchedulerConfig, worker_infos: Sequence[WorkerInfo],
+                 worker_addresses: Sequence[str] = ()) -> None:
+        if not worker_infos:
+            raise ValueError("the scheduler needs at least one worker")
+        first = worker_infos[0]
+        for info in worker_infos[1:]:
+            if (info.model_id, info.task, info.block_size) != (first.model_id, first.task, first.block_size):
+                raise ValueError(f"workers disagree: {first} vs {info}")
+        addresses = list(worker_addresses) or [f"worker-{i}" for i in range(len(worker_infos))]
+        self.config = config
+        self.task = first.task
+        self.model_id = first.model_id
+        self.max_model_len = min(info.max_model_len for info in worker_infos)
+        self.workers = [WorkerState(i, addresses[i], info, config.enable_prefix_caching)
+                        for i, info in enumerate(worker_infos)]
+        self.max_request_tokens = self._max_request_tokens(worker_infos)
+        self.requests: dict[str, Request] = {}
+        self._by_connection: dict[int, set[str]] = {}
+        self._deadlines: list[tuple[float, int, str]] = []
+        self._arrival = itertools.count()
+        self._builder = RoundBuilder(config, self.max_model_len)
+        self._outputs = OutputProcessor(first.eos_token_ids, self.max_model_len)
+
+    # ---- requests in ----
+
+    def add_request(self, request: Request, sink: UpdateSink) -> None:
+        """Queue a request on a worker, or finish it at once with an error update."""
+        error = self._validate(request)
+        ws = None
+        if error is None:
+            ws = choose_worker(self.workers, request)
+            if ws is None:
+                error = RequestError(ErrorKind.UNAVAILABLE, "no worker is available: every worker failed")
+        if error is not None or ws is None:
+            sink.add(request.connection_id, RequestUpdate(request.request_id, error=error))
+            return
+        request.arrival_seq = next(self._arrival)
+        self.requests[request.request_id] = request
+        self._by_connection.setdefault(request.connection_id, set()).add(request.request_id)
+        if request.deadline_unix_s > 0:
+            heapq.heappush(self._deadlines, (request.deadline_unix_s, request.arrival_seq, request.request_id))
+        ws.add(request)
+        logger.debug("queued on worker %d (priority %d, %d prompt tokens)", ws.index, request.priority,
+                     request.num_prompt_tokens, extra={"request_id": request.request_id})
+
+    def abort_request(self, request_id: str, sink: UpdateSink | None) -> bool:
+        """Abort a live request (frees its blocks now); unknown ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        assert request.worker_index is not None
+        self.workers[request.worker_index].finish(request, StopReason.ABORTED)
+        self._forget(request)
+        if sink is not None:
+            sink.add(request.connection_id, RequestUpdate(
+                request_id, stop_reason=StopReason.ABORTED, num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=request.num_cached_tokens))
+        logger.debug("aborted", extra={"request_id": request_id})
+        return True
+
+    def abort_connection(self, connection_id: int) -> int:
+        """The frontend stream ended: abort its unfinished requests (nobody to tell)."""
+        request_ids = list(self._by_connection.get(connection_id, ()))
+        for request_id in request_ids:
+            self.abort_request(request_id, None)
+        return len(request_ids)
+
+    def expire_deadlines(self, now: float, sink: UpdateSink) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            request_id = heapq.heappop(self._deadlines)[2]
+            self.abort_request(request_id, sink)
+
+    def next_deadline(self) -> float | None:
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def num_unfinished(self, connection_id: int) -> int:
+        return len(self._by_connection.get(connection_id, ()))
+
+    # ---- rounds out, outputs in ----
+
+    def schedule(self) -> dict[int, ExecuteRound]:
+        """The next round for every worker that may take one and has work."""
+        rounds: dict[int, ExecuteRound] = {}
+        max_inflight = self.config.max_inflight_rounds
+        for ws in self.workers:
+            if not ws.can_take_round(max_inflight):
+                continue
+            rnd = self._builder.build(ws) if ws.kv is not None else build_pooling_round(ws, self.config)
+            if rnd is not None:
+                rounds[ws.index] = rnd
+        return rounds
+
+    def update_from_output(self, worker_index: int, output: StepOutput, sink: UpdateSink) -> None:
+        """Apply one step's output (raises ProtocolError if the worker broke the protocol)."""
+        for request in self._outputs.process(self.workers[worker_index], output, sink):
+            self._forget(request)
+
+    def fail_worker(self, worker_index: int, message: str, sink: UpdateSink) -> None:
+        """The worker is gone: fail its requests with UNAVAILABLE; others keep running."""
+        ws = self.workers[worker_index]
+        if not ws.is_alive:
+            return
+        ws.is_alive = False
+        ws.inflight.clear()
+        error = RequestError(ErrorKind.UNAVAILABLE, f"worker {ws.address} failed: {message}")
+        for request in list(ws.requests.values()):
+            ws.finish(request, None)
+            self._forget(request)
+            sink.add(request.connection_id, RequestUpdate(request.request_id, error=error))
+        logger.error("worker %d (%s) failed: %s; %d worker(s) left", worker_index, ws.address, message,
+                     sum(w.is_alive for w in self.workers))
+
+    @property
+    def has_live_workers(self) -> bool:
+        return any(ws.is_alive for ws in self.workers)
+
+    def stats(self) -> SchedulerStats:
+        kvs = [ws.kv for ws in self.workers if ws.kv is not None]
+        return SchedulerStats(
+            num_rounds=sum(ws.num_rounds for ws in self.workers),
+            num_running=sum(len(ws.running) + len(ws.pooling_inflight) for ws in self.workers),
+            num_waiting=sum(len(ws.waiting) + len(ws.draining) for ws in self.workers),
+            num_preemptions=sum(ws.num_preemptions for ws in self.workers),
+            num_prefix_query_tokens=sum(kv.num_query_tokens for kv in kvs),
+            num_prefix_hit_tokens=sum(kv.num_hit_tokens for kv in kvs),
+            num_free_blocks=sum(kv.num_free_blocks for kv in kvs),
+            num_kv_blocks=sum(kv.num_blocks for kv in kvs),
+        )
+
+    # ---- helpers ----
+
+    def _forget(self, request: Request) -> None:
+        del self.requests[request.request_id]
+        ids = self._by_connection.get(request.connection_id)
+        if ids is not None:
+            ids.discard(request.request_id)
+            if not ids:
+                del self._by_connection[request.connection_id]
+
+    def _max_request_tokens(self, infos: Sequence[WorkerInfo]) -> int:
+        """Longest prompt + output one worker's pool can hold, with multi-step lookahead slack."""
+        if self.task is not RequestKind.GENERATE:
+            return self.max_model_len
+        capacity = min(info.num_kv_blocks * info.block_size for info in infos)
+        return min(self.max_model_len, capacity - (self.config.num_scheduler_steps - 1))
+
+    def _validate(self, request: Request) -> RequestError | None:
+        def invalid(message: str) -> RequestError:
+            return RequestError(ErrorKind.INVALID_ARGUMENT, message)
+
+        if request.request_id in self.requests:
+            return invalid(f"request_id={request.request_id!r} is already in use")
+        if (request.kind is RequestKind.GENERATE) != (self.task is RequestKind.GENERATE):
+            return invalid(f"the model {self.model_id} serves {self.task.name.lower()} requests, "
+                           f"not {request.kind.name.lower()}")
+        if not request.prompt_token_ids:
+            return invalid("the prompt is empty")
+        if request.num_prompt_tokens > self.max_model_len:
+            return invalid(f"the prompt has {request.num_prompt_tokens} tokens; the model takes at most "
+                           f"{self.max_model_len}")
+        if request.is_generate:
+            if request.sampling.max_tokens < 1:
+                return invalid(f"max_tokens={request.sampling.max_tokens} must be >= 1")
+            needed = request.max_total_tokens(self.max_model_len)
+            if needed > self.max_request_tokens:
+                return invalid(f"prompt ({request.num_prompt_tokens}) + max_tokens "
+                               f"({request.sampling.max_tokens}) needs {needed} tokens of KV cache; one "
+                               f"worker holds at most {self.max_request_tokens}")
+        return None

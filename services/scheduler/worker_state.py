@@ -1,0 +1,158 @@
+"""`WorkerState`: everything the scheduler tracks about one data-parallel worker.
+
+Its KV pool, running set, waiting queue, preempted requests still draining, and the rounds in
+flight. Lifecycle moves (admit, preempt, finish) live here so every path keeps the same
+bookkeeping; which request moves when is decided by the round builder and scheduler.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.scheduler.kv_block_manager import KVBlockManager
+from services.scheduler.request import Request, RequestStatus
+from services.scheduler.request_queue import WaitingQueue
+from shared.execute import WorkerInfo
+from shared.types import StopReason
+
+
+def running_order(request: Request) -> tuple[int, int]:
+    """Running-set order: higher priority first, then earlier arrival. The last is the victim."""
+    return (-request.priority, request.arrival_seq)
+
+
+@dataclass(slots=True)
+class InflightEntry:
+    """One request's part in a round that was sent."""
+
+    request: Request
+    step0_end: int  # the request's computed count after step 0 of the round
+    samples: bool  # its step-0 tokens reach its last known token, so it samples every step
+
+
+@dataclass(slots=True)
+class InflightRound:
+    round_id: int
+    num_steps: int
+    entries: list[InflightEntry] = field(default_factory=list)
+    # Requests that sample in every step of the round, in batch order: each StepOutput of the
+    # round must list exactly these.
+    sampler_ids: list[str] = field(default_factory=list)
+    samplers: list[Request] = field(default_factory=list)
+    pooling_request_ids: list[str] = field(default_factory=list)
+
+
+class WorkerState:
+    """Scheduling state of one worker.
+
+    Invariants:
+      * each live request placed on this worker is in exactly one of `running` (RUNNING),
+        `waiting` (WAITING or PREEMPTED), `draining` (PREEMPTED, rounds still in flight), or
+        is a pooling request in a round in flight (`pooling_inflight`).
+      * `running` is sorted by `running_order`; only RUNNING requests hold KV blocks.
+      * `is_on_worker` is True from the round that first carried a request until the round
+        listing it in `finished_request_ids` is built.
+    """
+
+    def __init__(self, index: int, address: str, info: WorkerInfo, enable_prefix_caching: bool) -> None:
+        self.index = index
+        self.address = address
+        self.info = info
+        self.kv: KVBlockManager | None = (
+            KVBlockManager(info.num_kv_blocks, info.block_size, enable_prefix_caching)
+            if info.num_kv_blocks > 0 else None
+        )
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
+        self.waiting = WaitingQueue()
+        self.draining: dict[str, Request] = {}
+        self.pooling_inflight: dict[str, Request] = {}
+        self.inflight: deque[InflightRound] = deque()
+        self.pending_finished_ids: list[str] = []
+        self.next_round_id = 0
+        self.is_alive = True
+        self.num_preemptions = 0
+        self.num_rounds = 0
+
+    @property
+    def load(self) -> int:
+        return len(self.requests)
+
+    def can_take_round(self, max_inflight_rounds: int) -> bool:
+        return self.is_alive and len(self.inflight) < max_inflight_rounds
+
+    def add(self, request: Request) -> None:
+        request.worker_index = self.index
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def admit(self, request: Request, num_computed_tokens: int) -> None:
+        """Waiting -> running (the caller already allocated its blocks)."""
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed_tokens
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_computed_tokens
+        bisect.insort(self.running, request, key=running_order)
+
+    def preempt(self, request: Request) -> None:
+        """Free the request's blocks; it is re-added later with prompt + generated tokens.
+
+        NOTE (pipelining rule): a request may be preempted while rounds that include it are
+        in flight. That is safe for blocks (the worker runs rounds in order, so any later
+        owner of a freed block writes it after the stale steps did) and for tokens (steps in
+        flight sample valid tokens from the right history; they are appended as they arrive).
+        It is re-admitted only after its last round in flight came back (`draining` until
+        then), so its new-request token list is complete and no two incarnations overlap.
+        """
+        assert request.status is RequestStatus.RUNNING
+        self.running.remove(request)
+        if self.kv is not None:
+            self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._forget_on_worker(request)
+        if request.num_inflight_rounds > 0:
+            self.draining[request.request_id] = request
+        else:
+            self.waiting.push(request)
+
+    def finish(self, request: Request, reason: StopReason | None) -> None:
+        """Remove the request from every structure and free its blocks (errors: reason None)."""
+        status = request.status
+        if status is RequestStatus.FINISHED:
+            return
+        if self.pooling_inflight.pop(request.request_id, None) is not None:
+            pass
+        elif status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            if self.kv is not None:
+                self.kv.free(request)
+        else:
+            self.waiting.remove(request.request_id)
+            self.draining.pop(request.request_id, None)
+        self._forget_on_worker(request)
+        request.status = RequestStatus.FINISHED
+        request.stop_reason = reason
+        del self.requests[request.request_id]
+
+    def round_done(self, rnd: InflightRound) -> None:
+        """The round's last step came back: requests preempted meanwhile may queue again."""
+        for entry in rnd.entries:
+            request = entry.request
+            request.num_inflight_rounds -= 1
+            if request.num_inflight_rounds == 0 and request.request_id in self.draining:
+                del self.draining[request.request_id]
+                self.waiting.push(request)
+
+    def take_finished_ids(self) -> list[str]:
+        ids, self.pending_finished_ids = self.pending_finished_ids, []
+        return ids
+
+    def _forget_on_worker(self, request: Request) -> None:
+        if request.is_on_worker:
+            request.is_on_worker = False
+            self.pending_finished_ids.append(request.request_id)
