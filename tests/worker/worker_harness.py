@@ -90,6 +90,8 @@ class ToyScheduler:
         self.requests: list[ToyRequest] = []
         self.finished: list[str] = []
         self.round_id = 0
+        self.prefix_hit_tokens = 0  # tokens new requests skipped thanks to shared blocks
+        self.max_chunks = 0  # most rounds one prompt's prefill took
 
     def add(
         self,
@@ -127,6 +129,7 @@ class ToyScheduler:
                 continue
             if not req.sent:
                 self._prefix_hit(req)
+                self.prefix_hit_tokens += req.num_computed
             n = min(len(req.tokens) - req.num_computed, budget)
             budget -= n
             samples = req.num_computed + n == len(req.tokens)
@@ -176,6 +179,12 @@ class ToyScheduler:
             self._register_full_blocks(req)
             if req.done and req.request_id not in self.finished:
                 self.finished.append(req.request_id)
+
+    def preempt(self, request_id: str) -> None:
+        """Drop a running request's KV (recompute later): it returns as a new request."""
+        req = next(r for r in self.requests if r.request_id == request_id)
+        self.finished.append(request_id)
+        req.sent, req.num_computed, req.block_ids = False, 0, []
 
     def _register_full_blocks(self, req: ToyRequest) -> None:
         bs = self.block_size

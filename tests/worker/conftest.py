@@ -1,0 +1,30 @@
+"""Shared fixtures for the worker tests: tiny random checkpoints built once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.tiny_models import TinyModelSpec, build_model
+
+torch.set_num_threads(2)
+
+SPECS = {
+    "llama": TinyModelSpec(family="llama"),
+    "mistral": TinyModelSpec(family="mistral", sliding_window=16),
+    "qwen2": TinyModelSpec(family="qwen2"),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """family -> checkpoint directory (llama, mistral with sliding_window=16, qwen2)."""
+    root = tmp_path_factory.mktemp("worker-models")
+    return {family: build_model(root / family, spec) for family, spec in SPECS.items()}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tiny_models: dict[str, Path]) -> Path:
+    return tiny_models["llama"]

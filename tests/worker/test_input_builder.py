@@ -1,0 +1,93 @@
+"""ModelInputBuilder: a mixed batch (fresh prefill, prefix-hit prefill, decodes) vs hand-computed inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from services.worker.attention.padded import PaddedMetadataBuilder
+from services.worker.input_builder import ModelInputBuilder
+from services.worker.request_states import RequestStates
+from shared.errors import InvalidArgumentError
+from shared.execute import CachedRequestData, ExecuteRound, NewRequestData
+from shared.sampling import SamplingOptions
+
+BS = 4
+GREEDY = SamplingOptions(temperature=0.0)
+
+
+def _new(request_id: str, tokens: list[int], computed: int, blocks: list[int]) -> NewRequestData:
+    return NewRequestData(request_id, tokens, len(tokens), computed, blocks, GREEDY)
+
+
+def _mixed_batch() -> tuple[RequestStates, ModelInputBuilder, np.ndarray, np.ndarray]:
+    states = RequestStates(max_model_len=64, block_size=BS, initial_rows=2)  # forces growth
+    # Running requests from earlier rounds: C has 6 tokens (5 computed), D has 4 (3 computed).
+    states.add(_new("C", [60, 61, 62, 63, 64, 65], 5, [8, 2]))
+    states.add(_new("D", [70, 71, 72, 73], 3, [11]))
+    round_ = ExecuteRound(
+        round_id=1,
+        new_requests=[
+            _new("A", list(range(10, 20)), 0, [3, 7, 9]),  # chunk of 6 from 0: no sample
+            _new("B", [10, 11, 12, 13, 40, 41, 42, 43, 44], 4, [3, 5, 6]),  # prefix hit: block 3 shared
+        ],
+        cached_requests=CachedRequestData(["C", "D"], [[], [12]]),
+        num_scheduled_tokens=[6, 5, 1, 1],
+    )
+    rows, num_scheduled = states.add_and_extend(round_)
+    builder = ModelInputBuilder(states, PaddedMetadataBuilder(BS), torch.device("cpu"))
+    return states, builder, rows, num_scheduled
+
+
+def test_mixed_batch_inputs_match_hand_computed_layout() -> None:
+    states, builder, rows, num_scheduled = _mixed_batch()
+    inp = builder.build(rows, num_scheduled)
+    assert inp.input_ids.tolist() == [10, 11, 12, 13, 14, 15, 40, 41, 42, 43, 44, 65, 73]
+    assert inp.positions.tolist() == [0, 1, 2, 3, 4, 5, 4, 5, 6, 7, 8, 5, 3]
+    assert inp.common.query_start_loc.tolist() == [0, 6, 11, 12, 13]
+    assert inp.common.seq_lens.tolist() == [6, 9, 6, 4]
+    # A: block 3 then 7; B: block 5 then 6; C: position 5 -> block 2; D: position 3 -> block 11.
+    assert inp.common.slot_mapping.tolist() == [12, 13, 14, 15, 28, 29, 20, 21, 22, 23, 24, 9, 47]
+    assert inp.common.block_tables.tolist() == [[3, 7, 9], [3, 5, 6], [8, 2, 0], [11, 12, 0]]
+    assert inp.logits_indices.tolist() == [10, 11, 12]  # last token of B, C, D; A is a partial chunk
+    assert [states.request_ids[r] for r in inp.sample_rows] == ["B", "C", "D"]
+    assert inp.common.max_query_len == 6 and inp.common.max_seq_len == 9
+    assert states.num_computed_tokens[rows].tolist() == [6, 9, 6, 4]
+
+
+def test_multi_step_advance_on_device_matches_hand_computed_slots() -> None:
+    states, builder, rows, num_scheduled = _mixed_batch()
+    step0 = builder.build(rows, num_scheduled)
+    step1 = builder.advance(step0, torch.tensor([100, 101, 102]))
+    assert step1.input_ids.tolist() == [100, 101, 102]
+    assert step1.positions.tolist() == [9, 6, 4]
+    assert step1.common.seq_lens.tolist() == [10, 7, 5]
+    assert step1.common.seq_lens_host.tolist() == [10, 7, 5]
+    # B: position 9 -> block 6 (slot 24 + 1); C: 6 -> block 2 (8 + 2); D: 4 -> block 12 (48 + 0).
+    assert step1.common.slot_mapping.tolist() == [25, 10, 48]
+    assert step1.common.query_start_loc.tolist() == [0, 1, 2, 3]
+    assert step1.logits_indices.tolist() == [0, 1, 2]
+    step2 = builder.advance(step1, torch.tensor([103, 104, 105]))
+    assert step2.positions.tolist() == [10, 7, 5]
+    assert step2.common.slot_mapping.tolist() == [26, 11, 49]
+    assert step2.common.max_seq_len == 11
+    assert states.num_computed_tokens[step2.sample_rows].tolist() == [11, 8, 6]
+
+
+def test_round_beyond_allocated_blocks_is_rejected() -> None:
+    states = RequestStates(max_model_len=64, block_size=BS)
+    round_ = ExecuteRound(
+        round_id=3, num_steps=4, new_requests=[_new("X", [1, 2, 3], 0, [0])], num_scheduled_tokens=[3]
+    )
+    with pytest.raises(InvalidArgumentError, match="'X' cannot compute 3 tokens"):
+        states.add_and_extend(round_)  # 3 tokens + 3 more decode steps need 2 blocks
+
+
+def test_unknown_cached_request_is_rejected() -> None:
+    states = RequestStates(max_model_len=64, block_size=BS)
+    round_ = ExecuteRound(
+        round_id=0, cached_requests=CachedRequestData(["ghost"], [[]]), num_scheduled_tokens=[1]
+    )
+    with pytest.raises(InvalidArgumentError, match="unknown request id 'ghost'"):
+        states.add_and_extend(round_)
