@@ -135,7 +135,8 @@ async def test_scheduler_stream_break_fails_in_flight_with_unavailable_then_reco
             pass
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     await frontend.scheduler.wait_ready(10)
-    _, last = await _collect(stub, pb.GenerateRequest(model=MODEL_NAME, text="hello", sampling=pb.SamplingParams(max_tokens=2)))
+    request = pb.GenerateRequest(model=MODEL_NAME, text="hello", sampling=pb.SamplingParams(max_tokens=2))
+    _, last = await _collect(stub, request)
     assert last.complete.finish_reason == pb.FINISH_REASON_LENGTH
     assert fake.num_connects == 2
 
