@@ -98,7 +98,11 @@ class DecoderForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = rope  # registered once so .to(device) moves its tables
-        if config.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the checkpoint ties them (again after to_empty)."""
+        if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(

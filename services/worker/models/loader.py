@@ -63,6 +63,7 @@ def load_model(
         model = model_cls(config, backend)
     model = model.to_empty(device=device).to(dtype=dtype)
     model.rope.init_tables()  # float32, as HF computes them
+    model.tie_weights()  # to_empty gives every module its own new parameters
     _load_weights(model, Path(model_dir), config)
     logger.info("loaded %s (%s) from %s", config.architecture, dtype, model_dir)
     return model.eval()

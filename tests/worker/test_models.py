@@ -1,0 +1,113 @@
+"""Model registry, HF config parsing and weight loading (logits equal transformers exactly in float32)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from services.worker.attention import AttentionType, CommonAttentionMetadata, create_backend
+from services.worker.models import MODEL_REGISTRY
+from services.worker.models.config import mistral_config, qwen2_config
+from services.worker.models.loader import load_model, parse_config, read_hf_config
+
+
+def _prefill_logits(model_dir: Path, ids: torch.Tensor) -> torch.Tensor:
+    """Our model's logits for one prompt computed in one pass through the paged path."""
+    backend = create_backend("sdpa", 16)
+    model = load_model(model_dir, backend, torch.float32, torch.device("cpu"))
+    cfg = model.config
+    n = len(ids)
+    blocks = -(-n // 16)
+    caches = [torch.zeros(2, blocks, 16, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+    lens = np.array([n])
+    common = CommonAttentionMetadata(
+        AttentionType.DECODER,
+        1,
+        n,
+        n,
+        n,
+        torch.tensor([0, n]),
+        torch.tensor([n]),
+        lens,
+        lens,
+        torch.arange(blocks)[None],
+        torch.arange(n),
+    )
+    builder = backend.metadata_builder()
+    meta = builder.build(
+        common, [torch.from_numpy(a) for a in builder.prepare(lens, lens, AttentionType.DECODER)]
+    )
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, torch.arange(n), caches, meta))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_logits_equal_transformers(tiny_models: dict[str, Path], family: str) -> None:
+    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(0))  # > mistral's window 16
+    ours = _prefill_logits(tiny_models[family], ids)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models[family], dtype=torch.float32)
+    with torch.inference_mode():
+        reference = hf(ids[None]).logits[0]
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_tied_word_embeddings_load_from_embed_tokens(tmp_path: Path) -> None:
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config)
+    hf.save_pretrained(tmp_path)
+    ids = torch.arange(10)
+    ours = _prefill_logits(tmp_path, ids)
+    with torch.inference_mode():
+        torch.testing.assert_close(ours, hf(ids[None]).logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_unsupported_architecture_is_a_clear_error(llama_dir: Path) -> None:
+    hf = read_hf_config(llama_dir) | {"architectures": ["GPT2LMHeadModel"]}
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'; supported: Llama"):
+        parse_config(hf)
+    assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0}},
+    ],
+)
+def test_rope_scaling_is_rejected(llama_dir: Path, override: dict) -> None:
+    with pytest.raises(ValueError, match="unsupported rope scaling"):
+        parse_config(read_hf_config(llama_dir) | override)
+
+
+def test_missing_weights_are_an_error(tmp_path: Path, llama_dir: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(read_hf_config(llama_dir)))
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        load_model(tmp_path, create_backend("sdpa", 16), torch.float32, torch.device("cpu"))
+
+
+def test_sliding_window_per_layer_follows_hf_rules(tiny_models: dict[str, Path]) -> None:
+    mistral = read_hf_config(tiny_models["mistral"])
+    assert mistral_config(mistral).sliding_windows == (16, 16)
+    qwen = read_hf_config(tiny_models["qwen2"])
+    assert qwen2_config(qwen | {"sliding_window": 8}).sliding_windows == (
+        None,
+        None,
+    )  # use_sliding_window off
+    qwen_on = {k: v for k, v in qwen.items() if k != "layer_types"}
+    qwen_on |= {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}
+    assert qwen2_config(qwen_on).sliding_windows == (None, 8)

@@ -1,0 +1,131 @@
+"""WorkerService over loopback gRPC: info, a two-round Execute stream, a malformed round's error."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from services.worker.__main__ import SERVICE_NAME, add_arguments, config_from_args
+from services.worker.config import WorkerConfig
+from services.worker.round_pipeline import RoundPipeline
+from services.worker.servicer import WorkerServicer
+from services.worker.worker import Worker
+from shared.execute import CachedRequestData, ExecuteRound, NewRequestData
+from shared.execute_wire import round_to_proto, step_from_proto, worker_info_from_proto
+from shared.grpc_server import start_grpc
+from shared.pb.spindle.v1 import worker_pb2, worker_pb2_grpc
+from shared.sampling import SamplingOptions
+
+PROMPT = [0, 17, 99, 250, 311, 45, 46, 47]
+
+
+@pytest.fixture
+async def stub(llama_dir: Path) -> AsyncIterator[worker_pb2_grpc.WorkerServiceStub]:
+    servicer = WorkerServicer()
+    service = await start_grpc(
+        "127.0.0.1:0",
+        lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+    )
+    worker = Worker(WorkerConfig(model=str(llama_dir), kv_cache_bytes=4 * 2**20, num_threads=2))
+    pipeline = RoundPipeline(worker.runner)
+    servicer.attach(worker.info, pipeline)
+    await service.set_serving([SERVICE_NAME])
+    async with grpc.aio.insecure_channel(service.address) as channel:
+        yield worker_pb2_grpc.WorkerServiceStub(channel)
+    await service.server.stop(0)
+    pipeline.close()
+
+
+async def _requests(rounds: list[ExecuteRound]) -> AsyncIterator[worker_pb2.ExecuteRequest]:
+    for round_ in rounds:
+        yield round_to_proto(round_)
+
+
+async def test_worker_info_reports_model_and_kv_capacity(stub: worker_pb2_grpc.WorkerServiceStub) -> None:
+    info = worker_info_from_proto(await stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest()))
+    # 4 MiB / (2 layers * 2 (K, V) * 16 tokens * 2 heads * 16 dims * 4 bytes) = 512 blocks
+    assert (info.model_id, info.num_kv_blocks, info.block_size) == ("llama", 512, 16)
+    assert (info.vocab_size, info.max_model_len, info.eos_token_ids) == (512, 1024, (1,))
+    assert (info.attention_backend, info.dtype, info.device) == ("sdpa", "float32", "cpu")
+
+
+async def test_execute_stream_runs_rounds_in_order(
+    stub: worker_pb2_grpc.WorkerServiceStub, llama_dir: Path
+) -> None:
+    greedy = SamplingOptions(temperature=0.0)
+    rounds = [
+        ExecuteRound(
+            round_id=0,
+            num_steps=2,
+            new_requests=[NewRequestData("a", PROMPT, len(PROMPT), 0, [4], greedy)],
+            num_scheduled_tokens=[len(PROMPT)],
+        ),
+        # pipelined decode: the worker feeds its own last token; 8 + 4 positions need a second block
+        ExecuteRound(
+            round_id=1, num_steps=2, cached_requests=CachedRequestData(["a"], [[9]]), num_scheduled_tokens=[1]
+        ),
+    ]
+    steps = [step_from_proto(m) async for m in stub.Execute(_requests(rounds))]
+    assert [(s.round_id, s.step_index, s.is_last_step) for s in steps] == [
+        (0, 0, False),
+        (0, 1, True),
+        (1, 0, False),
+        (1, 1, True),
+    ]
+    assert all(s.request_ids == ["a"] for s in steps)
+    hf = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    expected = hf.generate(
+        torch.tensor([PROMPT]), max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=3
+    )[0, len(PROMPT) :].tolist()
+    assert [t for s in steps for t in s.token_ids] == expected
+
+
+async def test_malformed_round_aborts_stream_with_clear_status(
+    stub: worker_pb2_grpc.WorkerServiceStub,
+) -> None:
+    greedy = SamplingOptions(temperature=0.0)
+    rounds = [
+        ExecuteRound(
+            round_id=0,
+            new_requests=[NewRequestData("a", PROMPT, len(PROMPT), 0, [0], greedy)],
+            num_scheduled_tokens=[len(PROMPT)],
+        ),
+        ExecuteRound(round_id=1, cached_requests=CachedRequestData(["nope"], [[]]), num_scheduled_tokens=[1]),
+        ExecuteRound(round_id=2, cached_requests=CachedRequestData(["a"], [[]]), num_scheduled_tokens=[1]),
+    ]
+    call = stub.Execute(_requests(rounds))
+    received = []
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async with asyncio.timeout(20):
+            async for msg in call:
+                received.append(msg.round_id)
+    assert received == [0]  # round 0 streamed; rounds 1 (bad) and 2 (after it) produce nothing
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "round 1 failed" in err.value.details() and "unknown request id 'nope'" in err.value.details()
+    # The next stream starts from clean state and works.
+    steps = [m async for m in stub.Execute(_requests(rounds[:1]))]
+    assert len(steps) == 1 and list(steps[0].request_ids) == ["a"]
+
+
+def test_flags_default_from_spindle_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPINDLE_WORKER_LISTEN", "127.0.0.1:7777")
+    monkeypatch.setenv("SPINDLE_MAX_MODEL_LEN", "128")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = config_from_args(parser.parse_args(["--model", "/m", "--dtype", "bfloat16"]))
+    assert (config.listen, config.max_model_len, config.dtype, config.block_size) == (
+        "127.0.0.1:7777",
+        128,
+        "bfloat16",
+        16,
+    )
+    with pytest.raises(ValueError, match="gpu_memory_fraction"):
+        WorkerConfig(model="/m", gpu_memory_fraction=1.5)
