@@ -74,8 +74,17 @@ class Tokenizer:
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one Tokenizer lives as long as the process
     def token_text(self, token_id: int) -> str:
-        """The text of one token on its own (special tokens included), for logprobs and Tokenize."""
-        return str(self.hf.decode([token_id], skip_special_tokens=False))
+        """The text of one token on its own (special tokens included), for logprobs and Tokenize.
+
+        A token holding part of a multi-byte character decodes to U+FFFD, so several would
+        share one text (and collide as keys of OpenAI's top_logprobs); those get their raw
+        vocabulary entry instead, which is unique per id.
+        """
+        text = str(self.hf.decode([token_id], skip_special_tokens=False))
+        if text and "\ufffd" not in text:
+            return text
+        piece = self.hf.convert_ids_to_tokens(token_id)
+        return str(piece) if piece else f"<token {token_id}>"
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

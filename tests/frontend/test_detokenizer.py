@@ -93,3 +93,14 @@ def test_each_step_decodes_a_bounded_window(tokenizer: Tokenizer) -> None:
     assert text == MULTIBYTE_TEXT * 40
     assert len(ids) > 1000
     assert max(windows) <= 8
+
+
+def test_token_texts_are_unique_even_for_partial_characters(tokenizer: Tokenizer) -> None:
+    """Logprob keys must not collide: byte fragments all decode to U+FFFD on their own."""
+    vocab = range(len(tokenizer.hf))
+    partial = [i for i in vocab if REPLACEMENT_CHAR in tokenizer.decode([i], False)]
+    assert len(partial) > 5
+    texts = [tokenizer.token_text(i) for i in partial]
+    assert len(set(texts)) == len(texts)
+    assert tokenizer.token_text(tokenizer.hf.encode("hello", add_special_tokens=False)[0]) == "hello"[
+        : len(tokenizer.token_text(tokenizer.hf.encode("hello", add_special_tokens=False)[0]))]
