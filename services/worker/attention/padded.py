@@ -176,10 +176,10 @@ def padded_forward(
 def _gather_cache(kv_cache: torch.Tensor | None, group: PaddedGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys/values of each row, [N, key_len, Hkv, D], read through its block table."""
     assert kv_cache is not None and group.block_tables is not None
-    n, blocks = group.block_tables.shape
-    k = kv_cache[0][group.block_tables].reshape(n, -1, *kv_cache.shape[-2:])
-    v = kv_cache[1][group.block_tables].reshape(n, -1, *kv_cache.shape[-2:])
-    return k[:, : group.key_len], v[:, : group.key_len]
+    n = group.block_tables.shape[0]
+    # One index_select for keys and values together: [2, N * blocks, block_size, Hkv, D].
+    kv = kv_cache.index_select(1, group.block_tables.flatten()).view(2, n, -1, *kv_cache.shape[-2:])
+    return kv[0, :, : group.key_len], kv[1, :, : group.key_len]
 
 
 def _run(
