@@ -53,7 +53,7 @@ def ensure_model(name: str, root: Path = DEFAULT_MODELS_ROOT) -> Path:
     spec = BENCH_MODELS[name]
     model_dir = root / f"bench-{name}"
     if _is_built(model_dir, spec):
-        logger.info("reusing %s", model_dir)
+        logger.debug("reusing %s", model_dir)
         return model_dir
     logger.info("building %s model at %s", name, model_dir)
     return build_model(model_dir, spec)
