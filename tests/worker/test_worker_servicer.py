@@ -129,3 +129,23 @@ def test_flags_default_from_spindle_env(monkeypatch: pytest.MonkeyPatch) -> None
     )
     with pytest.raises(ValueError, match="gpu_memory_fraction"):
         WorkerConfig(model="/m", gpu_memory_fraction=1.5)
+
+
+async def test_second_concurrent_stream_is_rejected(stub: worker_pb2_grpc.WorkerServiceStub) -> None:
+    release = asyncio.Event()
+
+    async def hold_open() -> AsyncIterator[worker_pb2.ExecuteRequest]:
+        yield round_to_proto(ExecuteRound(round_id=0))  # an empty round: one empty step back
+        await release.wait()
+
+    first = stub.Execute(hold_open())
+    assert (await first.read()).is_last_step  # the first stream is live
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async with asyncio.timeout(10):
+            async for _ in stub.Execute(_requests([ExecuteRound(round_id=0)])):
+                pass
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "another Execute stream is active" in err.value.details()
+    release.set()
+    async with asyncio.timeout(10):
+        assert await first.read() == grpc.aio.EOF
