@@ -19,7 +19,7 @@ class RequestStates:
     """Token ids, progress, block tables and sampling options of every live request.
 
     Attributes (row-indexed numpy arrays, int64 unless noted):
-        token_ids: [rows, max_model_len] prompt then sampled tokens.
+        token_ids: [rows, max_model_len + 1] prompt then sampled tokens.
         num_tokens / num_prompt_tokens / num_computed_tokens: [rows] counts; invariant
             num_computed_tokens <= num_tokens.
         block_table: [rows, max_blocks] KV block ids; num_blocks: [rows] valid entries.
@@ -29,12 +29,14 @@ class RequestStates:
     def __init__(self, max_model_len: int, block_size: int, initial_rows: int = 64) -> None:
         self.max_model_len = max_model_len
         self.block_size = block_size
-        self.max_blocks = -(-max_model_len // block_size)
+        # Positions stay < max_model_len, but the token sampled at the last position is stored
+        # too (+1), and a scheduler may hold one lookahead block beyond the last position (+1).
+        self.max_blocks = -(-max_model_len // block_size) + 1
         self.row_of: dict[str, int] = {}
         self.request_ids: list[str | None] = []
         self.sampling: list[SamplingOptions | None] = []
         self._free: list[int] = []
-        self.token_ids = np.zeros((0, max_model_len), np.int64)
+        self.token_ids = np.zeros((0, max_model_len + 1), np.int64)
         self.block_table = np.zeros((0, self.max_blocks), np.int64)
         self.num_tokens = np.zeros(0, np.int64)
         self.num_prompt_tokens = np.zeros(0, np.int64)
@@ -146,8 +148,7 @@ class RequestStates:
         # A sampling request decodes num_steps - 1 more tokens after step 0.
         last_pos = end - 1 + np.where(samples, num_steps - 1, 0)
         bad = (num_scheduled < 1) | (end > self.num_tokens[rows])
-        bad |= last_pos >= self.num_blocks[rows] * self.block_size
-        bad |= samples & (end + num_steps > self.max_model_len)
+        bad |= last_pos >= np.minimum(self.num_blocks[rows] * self.block_size, self.max_model_len)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             row = int(rows[i])

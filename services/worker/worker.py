@@ -52,7 +52,9 @@ class Worker:
         backend_name = resolve_backend_name(config.attention_backend, self.device.type)
         if backend_name == "flash-attn" and self.dtype == torch.float32:
             if config.attention_backend != "auto":
-                raise ValueError("attention_backend='flash-attn' needs dtype bfloat16 or float16, not float32")
+                raise ValueError(
+                    "attention_backend='flash-attn' needs dtype bfloat16 or float16, not float32"
+                )
             backend_name = "sdpa"  # flash-attn has no float32 kernels
         self.backend = create_backend(backend_name, config.block_size)
         self.model_config = parse_config(read_hf_config(config.model))

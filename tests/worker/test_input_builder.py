@@ -91,3 +91,23 @@ def test_unknown_cached_request_is_rejected() -> None:
     )
     with pytest.raises(InvalidArgumentError, match="unknown request id 'ghost'"):
         states.add_and_extend(round_)
+
+
+def test_round_may_compute_up_to_the_last_position_below_max_model_len() -> None:
+    states = RequestStates(max_model_len=16, block_size=BS)
+    ok = ExecuteRound(
+        round_id=0,
+        num_steps=5,
+        new_requests=[_new("X", list(range(12)), 0, [0, 1, 2, 3])],
+        num_scheduled_tokens=[12],
+    )
+    rows, _ = states.add_and_extend(ok)  # positions 0..15; the 17th token is stored, never computed
+    states.remove(["X"])
+    too_far = ExecuteRound(
+        round_id=1,
+        num_steps=6,
+        new_requests=[_new("Y", list(range(12)), 0, [0, 1, 2, 3, 4])],
+        num_scheduled_tokens=[12],
+    )
+    with pytest.raises(InvalidArgumentError, match="max_model_len 16"):
+        states.add_and_extend(too_far)

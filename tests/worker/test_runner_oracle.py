@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
-from worker_harness import ToyScheduler, make_runner
+from worker_harness import ToyScheduler, make_runner, run_round
+
+from shared.execute import ExecuteRound, NewRequestData
+from shared.sampling import SamplingOptions
 
 MAX_TOKENS = 10
 
@@ -75,3 +78,20 @@ def test_preempted_request_resumes_with_same_tokens(tiny_models: dict[str, Path]
     got = scheduler.run()
     assert got["mid"] == references["llama"]["mid"]
     assert got["short"] == references["llama"]["short"]
+
+
+def test_multi_step_round_reaching_max_model_len(tiny_models: dict[str, Path]) -> None:
+    runner = make_runner(tiny_models["llama"], "sdpa", num_blocks=8, max_model_len=16)
+    prompt = _prompts()["long"][:12]
+    round_ = ExecuteRound(
+        round_id=0,
+        num_steps=5,
+        num_scheduled_tokens=[12],
+        new_requests=[NewRequestData("x", prompt, 12, 0, [0, 1], SamplingOptions(temperature=0.0))],
+    )
+    tokens = [t for step in run_round(runner, round_) for t in step.token_ids]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32)
+    expected = hf.generate(
+        torch.tensor([prompt]), max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=3
+    )[0, 12:].tolist()
+    assert tokens == expected
