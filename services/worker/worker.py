@@ -7,6 +7,7 @@ backend choices are resolved here from `WorkerConfig` and reported in `WorkerInf
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -70,7 +71,7 @@ class Worker:
             allocate_kv_caches(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
         )
         self.info = WorkerInfo(
-            model_id=Path(config.model).resolve().name,
+            model_id=Path(os.path.abspath(config.model)).name,
             task=RequestKind.GENERATE,
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len,
