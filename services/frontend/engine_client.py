@@ -129,12 +129,3 @@ class EngineClient:
     async def list_models(self) -> list[ModelCard]:
         info: SchedulerInfo = await self.scheduler.get_info()
         return [ModelCard(self.model_name, info.task, info.max_model_len)]
-
-    async def check_pooling(self, model: str, task: RequestKind) -> None:
-        """Embed and Score: reject clearly (the pooling path is not served by this frontend yet)."""
-        check_model(model, self.model_name)
-        info = await self.scheduler.get_info()
-        what = "embeddings" if task == RequestKind.EMBED else "scoring"
-        if info.task != task:
-            raise InvalidArgumentError(f"model {self.model_name!r} does not support {what}")
-        raise InvalidArgumentError(f"{what} requests are not supported by this frontend yet")

@@ -15,11 +15,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
+from services.frontend import openai_pooling
 from services.frontend.engine_client import EngineClient
 from services.frontend.messages import GenerateChunk, GenerateComplete, GenerateEvent, PositionLogprobs
 from services.frontend.openai_format import ChatFormatter, CompletionFormatter, ResponseFormatter, error_body
-from services.frontend.openai_protocol import Endpoint, OpenAIRequest, parse_chat, parse_completion
-from shared.errors import HTTP_STATUSES, InvalidArgumentError, SpindleError
+from services.frontend.openai_protocol import Endpoint, OpenAIRequest, parse_chat, parse_completion, parse_json
+from services.frontend.pooling import PoolingClient
+from shared.errors import HTTP_STATUSES, SpindleError
 
 logger = logging.getLogger(__name__)
 
@@ -53,19 +55,12 @@ async def error_middleware(request: web.Request,
         return error_response(exc)
 
 
-async def _read_json(request: web.Request) -> object:
-    try:
-        return json.loads(await request.read())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidArgumentError(f"the request body is not valid JSON: {exc}") from exc
-
-
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_completion(await _read_json(request)))
+    return await _generate(request, parse_completion(parse_json(await request.read())))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_chat(await _read_json(request)))
+    return await _generate(request, parse_chat(parse_json(await request.read())))
 
 
 async def _generate(http_request: web.Request, parsed: OpenAIRequest) -> web.StreamResponse:
@@ -137,9 +132,10 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(status=503, text="waiting for the scheduler")
 
 
-def build_app(engine: EngineClient) -> web.Application:
+def build_app(engine: EngineClient, pooling: PoolingClient) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
+    openai_pooling.add_routes(app, pooling)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)

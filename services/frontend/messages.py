@@ -179,3 +179,31 @@ class ModelCard:
 class TokenizeResult:
     token_ids: list[int]
     tokens: list[str]  # the text piece of each token
+
+
+@dataclass(slots=True)
+class EmbedInput:
+    """Texts (or token id lists) to embed, one vector each."""
+
+    model: str = ""
+    texts: list[str] | None = None
+    token_ids: list[list[int]] | None = None
+    truncate: bool = False  # cut over-long inputs instead of rejecting them
+    normalize: bool | None = None  # None: as the model is configured
+    priority: int = 0
+
+
+@dataclass(slots=True)
+class ScoreInput:
+    """(query, document) pairs to score with a cross-encoder."""
+
+    model: str = ""
+    pairs: list[tuple[str, str]] = field(default_factory=list)
+    truncate: bool = False
+    priority: int = 0
+
+
+@dataclass(slots=True)
+class PoolingResult:
+    vectors: list[list[float]]  # embeddings, or [score] per pair
+    usage: Usage

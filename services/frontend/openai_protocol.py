@@ -9,6 +9,7 @@ Range checks are `validation.py`'s job. Unknown fields are ignored, as OpenAI cl
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
 
 from services.frontend.messages import ChatMessage, GenerateInput, SamplingRequest
@@ -30,12 +31,20 @@ class OpenAIRequest:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
 
 
+def parse_json(raw: bytes) -> object:
+    """The request body as JSON; malformed JSON is a 400."""
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidArgumentError(f"the request body is not valid JSON: {exc}") from exc
+
+
 class JsonObject:
     """Typed access to one JSON object's fields; a wrong type raises a 400 naming the field."""
 
     def __init__(self, value: object, where: str = "the request body") -> None:
         if not isinstance(value, dict):
-            raise InvalidArgumentError(f"{where} must be a JSON object, got {_type_name(value)}")
+            raise InvalidArgumentError(f"{where} must be a JSON object, got {type_name(value)}")
         self._data: dict[str, object] = value
         self._prefix = "" if where == "the request body" else f"{where}."
 
@@ -44,7 +53,7 @@ class JsonObject:
 
     def _fail(self, name: str, expected: str) -> InvalidArgumentError:
         value = self._data[name]
-        return InvalidArgumentError(f"{self._prefix}{name} must be {expected}, got {_type_name(value)} {value!r}")
+        return InvalidArgumentError(f"{self._prefix}{name} must be {expected}, got {type_name(value)} {value!r}")
 
     def get_int(self, name: str) -> int | None:
         value = self._data.get(name)
@@ -82,7 +91,7 @@ class JsonObject:
         value = self._data.get(name)
         if value is None:
             return None
-        if not _is_int_list(value):
+        if not is_int_list(value):
             raise self._fail(name, "a list of integers")
         return value  # type: ignore[return-value]
 
@@ -101,12 +110,12 @@ class JsonObject:
             raise InvalidArgumentError(message)
 
 
-def _type_name(value: object) -> str:
+def type_name(value: object) -> str:
     names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer", float: "number"}
     return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
-def _is_int_list(value: object) -> bool:
+def is_int_list(value: object) -> bool:
     return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
 
 
@@ -157,8 +166,8 @@ def parse_completion(data: object) -> OpenAIRequest:
         raise InvalidArgumentError(f"prompt holds {len(prompt)} prompts; only one prompt per request is supported")
     if prompt is None:
         raise InvalidArgumentError("prompt is required")
-    if not isinstance(prompt, str) and not _is_int_list(prompt):
-        raise InvalidArgumentError(f"prompt must be a string or a list of token ids, got {_type_name(prompt)}")
+    if not isinstance(prompt, str) and not is_int_list(prompt):
+        raise InvalidArgumentError(f"prompt must be a string or a list of token ids, got {type_name(prompt)}")
     generate = GenerateInput(
         model=body.get_str("model") or "",
         prompt_text=prompt if isinstance(prompt, str) else None,
@@ -183,7 +192,7 @@ def parse_chat(data: object) -> OpenAIRequest:
                        f"response_format type {kind!r} is not supported; only 'text'")
     raw_messages = body.raw("messages")
     if not isinstance(raw_messages, list):
-        raise InvalidArgumentError(f"messages must be a list of messages, got {_type_name(raw_messages)}")
+        raise InvalidArgumentError(f"messages must be a list of messages, got {type_name(raw_messages)}")
     max_tokens = body.get_int("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get_int("max_tokens")
@@ -210,7 +219,7 @@ def _message(value: object, index: int) -> ChatMessage:
     if content is None or isinstance(content, str):
         return ChatMessage(role, content or "")
     if not isinstance(content, list):
-        raise InvalidArgumentError(f"{where}.content must be a string or a list of parts, got {_type_name(content)}")
+        raise InvalidArgumentError(f"{where}.content must be a string or a list of parts, got {type_name(content)}")
     texts = []
     for j, part_value in enumerate(content):
         part = JsonObject(part_value, f"{where}.content[{j}]")

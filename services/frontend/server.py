@@ -17,6 +17,7 @@ from services.frontend.config import FrontendConfig
 from services.frontend.engine_client import EngineClient
 from services.frontend.generation_defaults import GenerationDefaults
 from services.frontend.http_app import build_app, start_http
+from services.frontend.pooling import PoolingClient, model_normalizes
 from services.frontend.scheduler_client import SchedulerClient
 from services.frontend.servicer import SERVICE_NAME, register
 from services.frontend.tokenizer import Tokenizer
@@ -34,6 +35,8 @@ class Frontend:
         self.scheduler = SchedulerClient(config.scheduler_addr, backoff_max_s=config.scheduler_backoff_max_s)
         self.engine = EngineClient(config, self.tokenizer, self.scheduler,
                                    GenerationDefaults.from_model_dir(config.model))
+        self.pooling = PoolingClient(config.served_model_name, self.tokenizer, self.scheduler,
+                                     model_normalizes(config.model))
         self.grpc: GrpcService | None = None
         self.http_runner: web.AppRunner | None = None
         self.http_address = ""
@@ -45,8 +48,8 @@ class Frontend:
         return self.grpc.address
 
     async def start(self) -> None:
-        self.grpc = await start_grpc(self.config.grpc_address, register(self.engine), [SERVICE_NAME])
-        self.http_runner, self.http_address = await start_http(build_app(self.engine), self.config.host,
+        self.grpc = await start_grpc(self.config.grpc_address, register(self.engine, self.pooling), [SERVICE_NAME])
+        self.http_runner, self.http_address = await start_http(build_app(self.engine, self.pooling), self.config.host,
                                                                self.config.http_port)
         self.scheduler.on_ready_change.append(self._on_scheduler_ready)
         self.scheduler.start()

@@ -14,15 +14,16 @@ import grpc
 from services.frontend import wire
 from services.frontend.engine_client import EngineClient
 from services.frontend.messages import GenerateChunk
+from services.frontend.pooling import PoolingClient, rank
 from shared.pb.spindle.v1 import generation_pb2, generation_pb2_grpc
-from shared.types import RequestKind
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient, pooling: PoolingClient) -> None:
         self._engine = engine
+        self._pooling = pooling
 
     async def Generate(self, request: generation_pb2.GenerateRequest,  # noqa: N802 - gRPC method name
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
@@ -45,19 +46,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def Embed(self, request: generation_pb2.EmbedRequest,  # noqa: N802
                     context: grpc.aio.ServicerContext) -> generation_pb2.EmbedResponse:
-        await self._engine.check_pooling(request.model, RequestKind.EMBED)
-        return generation_pb2.EmbedResponse()
+        return wire.embed_to_proto(await self._pooling.embed(wire.embed_input_from_proto(request)))
 
     async def Score(self, request: generation_pb2.ScoreRequest,  # noqa: N802
                     context: grpc.aio.ServicerContext) -> generation_pb2.ScoreResponse:
-        await self._engine.check_pooling(request.model, RequestKind.SCORE)
-        return generation_pb2.ScoreResponse()
+        result = await self._pooling.score(wire.score_input_from_proto(request))
+        return wire.score_to_proto(rank([v[0] for v in result.vectors], request.sort, request.top_n), result.usage)
 
 
-def register(engine: EngineClient) -> Callable[[grpc.aio.Server], None]:
+def register(engine: EngineClient, pooling: PoolingClient) -> Callable[[grpc.aio.Server], None]:
     """A `start_grpc` register callback that adds the servicer to the server."""
 
     def add(server: grpc.aio.Server) -> None:
-        generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(engine), server)
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(engine, pooling), server)
 
     return add

@@ -12,6 +12,7 @@ import functools
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from services.frontend.messages import ChatMessage, TokenizeResult
@@ -19,6 +20,14 @@ from shared.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class Encoded:
+    """One tokenized input of a pooling request."""
+
+    token_ids: list[int]
+    token_type_ids: list[int] = field(default_factory=list)  # segment ids of a (query, document) pair
 
 
 class Tokenizer:
@@ -63,6 +72,20 @@ class Tokenizer:
             )
         text = await self._run(functools.partial(self._render_chat, messages))
         return await self.encode(text, add_special_tokens=False)
+
+    def _encode_batch(self, texts: list[str] | list[tuple[str, str]], max_length: int | None) -> list[Encoded]:
+        out = self.hf(texts, add_special_tokens=True, truncation="longest_first" if max_length else False,
+                      max_length=max_length)
+        type_ids = out.get("token_type_ids") if texts and isinstance(texts[0], tuple) else None
+        return [Encoded(list(ids), list(type_ids[i]) if type_ids else []) for i, ids in enumerate(out["input_ids"])]
+
+    async def encode_batch(self, texts: list[str], max_length: int | None = None) -> list[Encoded]:
+        """Token ids of several texts in one call (embeddings); cut to `max_length` when given."""
+        return await self._run(functools.partial(self._encode_batch, texts, max_length))
+
+    async def encode_pairs(self, pairs: list[tuple[str, str]], max_length: int | None = None) -> list[Encoded]:
+        """(query, document) pairs encoded together, with segment ids (cross-encoders)."""
+        return await self._run(functools.partial(self._encode_batch, pairs, max_length))
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> TokenizeResult:
         """Token ids of `text` and the text piece of each (the Tokenize RPC)."""

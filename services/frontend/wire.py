@@ -9,15 +9,19 @@ from collections.abc import Sequence
 
 from services.frontend.messages import (
     AddRequest,
+    EmbedInput,
     FinishReason,
     GenerateChunk,
     GenerateComplete,
     GenerateInput,
     ModelCard,
+    PoolingResult,
     RequestUpdate,
     SamplingRequest,
     SchedulerInfo,
+    ScoreInput,
     TokenizeResult,
+    Usage,
 )
 from shared.errors import ErrorKind, SpindleError, error_from_kind
 from shared.execute_wire import sampling_to_proto
@@ -139,16 +143,11 @@ def chunk_to_proto(chunk: GenerateChunk) -> generation_pb2.GenerateResponse:
 
 
 def complete_to_proto(complete: GenerateComplete) -> generation_pb2.GenerateResponse:
-    usage = complete.usage
     return generation_pb2.GenerateResponse(
         request_id=complete.request_id,
         complete=generation_pb2.GenerateComplete(
             finish_reason=FINISH_REASONS[complete.finish_reason],
-            usage=generation_pb2.Usage(
-                prompt_tokens=usage.prompt_tokens,
-                completion_tokens=usage.completion_tokens,
-                cached_prompt_tokens=usage.cached_prompt_tokens,
-            ),
+            usage=_usage_to_proto(complete.usage),
             matched_stop=complete.matched_stop or "",
         ),
     )
@@ -163,3 +162,30 @@ def models_to_proto(cards: Sequence[ModelCard]) -> generation_pb2.ListModelsResp
         generation_pb2.ModelCard(id=c.id, task=MODEL_TASKS[c.task], max_model_len=c.max_model_len)
         for c in cards
     ])
+
+
+def _usage_to_proto(usage: Usage) -> generation_pb2.Usage:
+    return generation_pb2.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                                cached_prompt_tokens=usage.cached_prompt_tokens)
+
+
+def embed_input_from_proto(msg: generation_pb2.EmbedRequest) -> EmbedInput:
+    return EmbedInput(model=msg.model, texts=list(msg.inputs), truncate=msg.truncate,
+                      normalize=msg.normalize if msg.HasField("normalize") else None, priority=msg.priority)
+
+
+def embed_to_proto(result: PoolingResult) -> generation_pb2.EmbedResponse:
+    return generation_pb2.EmbedResponse(
+        embeddings=[generation_pb2.Embedding(values=v) for v in result.vectors], usage=_usage_to_proto(result.usage))
+
+
+def score_input_from_proto(msg: generation_pb2.ScoreRequest) -> ScoreInput:
+    return ScoreInput(model=msg.model, pairs=[(msg.query, d) for d in msg.documents], truncate=msg.truncate,
+                      priority=msg.priority)
+
+
+def score_to_proto(ranked: list[tuple[int, float]], usage: Usage) -> generation_pb2.ScoreResponse:
+    """`ranked`: (document index, score) pairs in the order to return them."""
+    return generation_pb2.ScoreResponse(
+        scores=[generation_pb2.DocumentScore(index=i, score=score) for i, score in ranked],
+        usage=_usage_to_proto(usage))

@@ -36,9 +36,13 @@ class FakeRequest:
 
 @dataclass
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
-    """Configure with attributes; inspect `added`, `aborted`, `add_batches`, `num_connects`."""
+    """Configure with attributes; inspect `added`, `aborted`, `add_batches`, `num_connects`.
+
+    Embed and score requests finish in one step with `fake_pooled(add)`.
+    """
 
     ready: bool = True
+    task: int = common_pb2.REQUEST_KIND_GENERATE
     max_model_len: int = 128
     vocab_size: int = 512
     step_interval_s: float = 0.002
@@ -57,7 +61,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def GetSchedulerInfo(self, request: scheduler_pb2.GetSchedulerInfoRequest,  # noqa: N802
                                context: grpc.aio.ServicerContext) -> scheduler_pb2.GetSchedulerInfoResponse:
         return scheduler_pb2.GetSchedulerInfoResponse(
-            ready=self.ready, model_id="fake", task=common_pb2.REQUEST_KIND_GENERATE,
+            ready=self.ready, model_id="fake", task=self.task,
             max_model_len=self.max_model_len, vocab_size=self.vocab_size, num_workers=1,
             num_kv_blocks=64, block_size=16, max_request_tokens=self.max_model_len,
         )
@@ -114,6 +118,10 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         if error is not None:
             update.error.CopyFrom(error)
             return update
+        if add.kind != common_pb2.REQUEST_KIND_GENERATE:
+            update.pooled.extend(fake_pooled(add))
+            update.stop_reason = common_pb2.STOP_REASON_POOLED
+            return update
         sampling = add.sampling
         for _ in range(self.tokens_per_step):
             token = req.output[req.num_generated % len(req.output)]
@@ -130,6 +138,14 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
                 update.stop_reason = common_pb2.STOP_REASON_LENGTH
                 break
         return update
+
+
+def fake_pooled(add: scheduler_pb2.AddRequest) -> list[float]:
+    """Embed: [num tokens, sum of ids mod 97, 1]. Score: one logit, (second-segment tokens - 3) / 2."""
+    ids = list(add.prompt_token_ids)
+    if add.kind == common_pb2.REQUEST_KIND_EMBED:
+        return [float(len(ids)), float(sum(ids) % 97), 1.0]
+    return [(sum(add.token_type_ids) - 3) / 2]
 
 
 def _add_logprobs(update: scheduler_pb2.RequestUpdate, token: int, position: int, num_top: int,
