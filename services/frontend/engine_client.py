@@ -80,7 +80,7 @@ class EngineClient:
                                    self.config.default_max_tokens)
         timeout_s = self.config.request_timeout_s
         add = AddRequest(
-            request_id=request.request_id or f"gen-{uuid.uuid4().hex}",
+            request_id=request.request_id or uuid.uuid4().hex,
             prompt_token_ids=prompt_token_ids,
             sampling=options,
             priority=request.priority,
