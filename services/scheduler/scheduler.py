@@ -14,9 +14,9 @@ import heapq
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.info import SchedulerInfo, SchedulerStats
 from services.scheduler.output_processor import OutputProcessor
 from services.scheduler.placement import choose_worker
 from services.scheduler.pooling import build_pooling_round
@@ -29,22 +29,6 @@ from shared.execute import ExecuteRound, StepOutput, WorkerInfo
 from shared.types import RequestKind, StopReason
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True, frozen=True)
-class SchedulerStats:
-    num_rounds: int
-    num_running: int
-    num_waiting: int  # including preempted ones
-    num_preemptions: int
-    num_prefix_query_tokens: int
-    num_prefix_hit_tokens: int
-    num_free_blocks: int
-    num_kv_blocks: int
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.num_prefix_hit_tokens / self.num_prefix_query_tokens if self.num_prefix_query_tokens else 0.0
 
 
 class Scheduler:
@@ -78,6 +62,11 @@ class Scheduler:
         self._arrival = itertools.count()
         self._builder = RoundBuilder(config, self.max_model_len)
         self._outputs = OutputProcessor(first.eos_token_ids, self.max_model_len)
+        self.vocab_size = first.vocab_size
+        self.num_steps = 0
+        self.num_finished = 0
+        self.num_aborted = 0
+        self.num_failed = 0
 
     # ---- requests in ----
 
@@ -90,6 +79,7 @@ class Scheduler:
             if ws is None:
                 error = RequestError(ErrorKind.UNAVAILABLE, "no worker is available: every worker failed")
         if error is not None or ws is None:
+            self.num_failed += 1
             sink.add(request.connection_id, RequestUpdate(request.request_id, error=error))
             return
         request.arrival_seq = next(self._arrival)
@@ -152,6 +142,7 @@ class Scheduler:
         """Apply one step's output (raises ProtocolError if the worker broke the protocol)."""
         for request in self._outputs.process(self.workers[worker_index], output, sink):
             self._forget(request)
+        self.num_steps += 1
 
     def fail_worker(self, worker_index: int, message: str, sink: UpdateSink) -> None:
         """The worker is gone: fail its requests with UNAVAILABLE; others keep running."""
@@ -175,20 +166,44 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         kvs = [ws.kv for ws in self.workers if ws.kv is not None]
         return SchedulerStats(
+            num_steps=self.num_steps,
             num_rounds=sum(ws.num_rounds for ws in self.workers),
-            num_running=sum(len(ws.running) + len(ws.pooling_inflight) for ws in self.workers),
-            num_waiting=sum(len(ws.waiting) + len(ws.draining) for ws in self.workers),
             num_preemptions=sum(ws.num_preemptions for ws in self.workers),
             num_prefix_query_tokens=sum(kv.num_query_tokens for kv in kvs),
             num_prefix_hit_tokens=sum(kv.num_hit_tokens for kv in kvs),
+            num_running=sum(len(ws.running) + len(ws.pooling_inflight) for ws in self.workers),
+            num_waiting=sum(len(ws.waiting) + len(ws.draining) for ws in self.workers),
+            num_finished=self.num_finished,
+            num_aborted=self.num_aborted,
+            num_failed=self.num_failed,
             num_free_blocks=sum(kv.num_free_blocks for kv in kvs),
             num_kv_blocks=sum(kv.num_blocks for kv in kvs),
+        )
+
+    def info(self) -> SchedulerInfo:
+        return SchedulerInfo(
+            ready=self.has_live_workers,
+            model_id=self.model_id,
+            task=self.task,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            num_workers=len(self.workers),
+            num_kv_blocks=sum(ws.info.num_kv_blocks for ws in self.workers),
+            block_size=self.workers[0].info.block_size,
+            max_request_tokens=self.max_request_tokens,
+            stats=self.stats(),
         )
 
     # ---- helpers ----
 
     def _forget(self, request: Request) -> None:
         del self.requests[request.request_id]
+        if request.stop_reason is None:
+            self.num_failed += 1
+        elif request.stop_reason is StopReason.ABORTED:
+            self.num_aborted += 1
+        else:
+            self.num_finished += 1
         ids = self._by_connection.get(request.connection_id)
         if ids is not None:
             ids.discard(request.request_id)

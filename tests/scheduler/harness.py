@@ -11,6 +11,7 @@ import random
 from dataclasses import dataclass, field
 
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv_block_manager import KVBlockManager
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.updates import RequestUpdate, UpdateSink
@@ -31,7 +32,7 @@ class HarnessSpec:
     num_requests: int = 600
     max_prompt: int = 40
     max_output: int = 60
-    max_model_len: int = 128
+    max_model_len: int = 80
     abort_prob: float = 0.03  # per tick
     enable_priority_preemption: bool = False
     enable_prefix_caching: bool = True
@@ -72,6 +73,8 @@ class Harness:
             num_scheduler_steps=spec.num_scheduler_steps, enable_prefix_caching=spec.enable_prefix_caching,
             enable_priority_preemption=spec.enable_priority_preemption)
         self.scheduler = Scheduler(self.config, [w.info for w in self.workers])
+        for ws, worker in zip(self.scheduler.workers, self.workers, strict=True):
+            self._guard_cache_blocks(ws.kv, worker)
         self.views: dict[str, ClientView] = {}
         self.prefixes = [[self.rng.randrange(4, 64) for _ in range(self.rng.randint(4, 24))] for _ in range(4)]
         self.tick = 0
@@ -163,6 +166,22 @@ class Harness:
                     view.finals.append(update)
 
     # ---- invariants ----
+
+    @staticmethod
+    def _guard_cache_blocks(kv: KVBlockManager | None, worker: FakeWorker) -> None:
+        """Blocks may enter the prefix cache only up to what the worker has really computed."""
+        assert kv is not None
+        original = kv.cache_blocks
+
+        def checked(request: Request, num_computed_tokens: int) -> None:
+            if kv.has_blocks(request.request_id):
+                state = worker.requests[request.request_id]
+                assert num_computed_tokens <= state.num_computed, (
+                    f"{request.request_id}: caches blocks up to {num_computed_tokens} tokens, the worker "
+                    f"computed {state.num_computed}")
+            original(request, num_computed_tokens)
+
+        kv.cache_blocks = checked  # type: ignore[method-assign]
 
     def _check_round(self, rnd: ExecuteRound) -> None:
         scheduled = rnd.num_scheduled_tokens

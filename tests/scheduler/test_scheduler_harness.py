@@ -27,7 +27,7 @@ def check_outputs(result: HarnessResult) -> None:
         else:
             assert view.tokens == view.reference, f"{request_id}: {view.tokens} != {view.reference}"
             expected = StopReason.LENGTH if len(view.tokens) in (
-                view.request.sampling.max_tokens, 128 - view.request.num_prompt_tokens) else None
+                view.request.sampling.max_tokens, 80 - view.request.num_prompt_tokens) else None
             if expected is not None and final.stop_reason is not StopReason.STOP_TOKEN:
                 assert final.stop_reason is expected
         assert view.request.status is RequestStatus.FINISHED
@@ -64,7 +64,7 @@ def test_random_workload_matches_reference(name: str) -> None:
     check_outputs(result)
     check_drained(result)
     stats = result.scheduler.stats()
-    assert result.num_steps > 2000, "the workload was meant to run for many steps"
+    assert result.num_steps > 1000, "the workload was meant to run for many steps"
     assert stats.num_preemptions > 0, "the pool was meant to be small enough to force preemption"
     assert sum(w.num_partial_prefills for w in result.workers) > 0, "no prompt was chunked"
     if spec.enable_prefix_caching:

@@ -1,0 +1,130 @@
+"""Entry point of the scheduler service: flags (SPINDLE_* env defaults) -> SchedulerConfig -> serve.
+
+`python -m services.scheduler --workers-addr HOST:PORT[,HOST:PORT...]` or `spindle scheduler ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+
+import uvloop
+
+from services.scheduler.config import DEFAULT_LISTEN, DEFAULT_WORKER_ADDRS, SchedulerConfig
+from services.scheduler.engine_loop import EngineLoop
+from services.scheduler.servicer import SERVICE_NAME, register
+from services.scheduler.worker_client import WorkerClient
+from shared.grpc_server import start_grpc, wait_for_shutdown
+from shared.logs import setup_logging
+
+logger = logging.getLogger(__name__)
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"SPINDLE_{name}", default)
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    return _env(name, str(default)).strip().lower() in ("1", "true", "yes", "on")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = SchedulerConfig()
+    parser.add_argument("--listen", default=_env("SCHEDULER_LISTEN", DEFAULT_LISTEN),
+                        help="host:port of the SchedulerService [SPINDLE_SCHEDULER_LISTEN]")
+    parser.add_argument("--workers-addr", default=_env("WORKER_ADDRS", DEFAULT_WORKER_ADDRS),
+                        help="comma-separated worker host:port list, one per data-parallel worker "
+                             "[SPINDLE_WORKER_ADDRS]")
+    for flag, env, default, help_text in (
+        ("--max-num-seqs", "MAX_NUM_SEQS", defaults.max_num_seqs, "most running requests per worker"),
+        ("--max-num-batched-tokens", "MAX_NUM_BATCHED_TOKENS", defaults.max_num_batched_tokens,
+         "token budget of one round's first step per worker"),
+        ("--num-scheduler-steps", "NUM_SCHEDULER_STEPS", defaults.num_scheduler_steps,
+         "decode steps per round when no prefill is pending (multi-step)"),
+        ("--max-inflight-rounds", "MAX_INFLIGHT_ROUNDS", defaults.max_inflight_rounds,
+         "rounds sent ahead to a worker (2 = pipelined)"),
+    ):
+        parser.add_argument(flag, type=int, default=int(_env(env, str(default))), help=f"{help_text} [SPINDLE_{env}]")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=_env_bool("ENABLE_PREFIX_CACHING", defaults.enable_prefix_caching),
+                        help="share computed KV blocks between requests [SPINDLE_ENABLE_PREFIX_CACHING]")
+    parser.add_argument("--enable-priority-preemption", action=argparse.BooleanOptionalAction,
+                        default=_env_bool("ENABLE_PRIORITY_PREEMPTION", defaults.enable_priority_preemption),
+                        help="waiting requests may preempt lower-priority running ones "
+                             "[SPINDLE_ENABLE_PRIORITY_PREEMPTION]")
+    parser.add_argument("--worker-ready-timeout-s", type=float,
+                        default=float(_env("WORKER_READY_TIMEOUT_S", str(defaults.worker_ready_timeout_s))),
+                        help="give up waiting for a worker after this long; 0: wait forever "
+                             "[SPINDLE_WORKER_READY_TIMEOUT_S]")
+    parser.add_argument("--stats-interval-s", type=float,
+                        default=float(_env("STATS_INTERVAL_S", str(defaults.stats_interval_s))),
+                        help="period of the counters log while busy [SPINDLE_STATS_INTERVAL_S]")
+
+
+def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        listen=args.listen,
+        worker_addresses=tuple(a.strip() for a in args.workers_addr.split(",") if a.strip()),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_scheduler_steps=args.num_scheduler_steps,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_priority_preemption=args.enable_priority_preemption,
+        max_inflight_rounds=args.max_inflight_rounds,
+        worker_ready_timeout_s=args.worker_ready_timeout_s,
+        stats_interval_s=args.stats_interval_s,
+    )
+
+
+async def serve(config: SchedulerConfig) -> None:
+    """Listen at once (GetSchedulerInfo says ready=False), turn SERVING once every worker is ready."""
+    links = [WorkerClient(i, addr, config.worker_ready_timeout_s) for i, addr in enumerate(config.worker_addresses)]
+    engine = EngineLoop(config, links)
+    svc = await start_grpc(config.listen, lambda server: register(server, engine), [SERVICE_NAME])
+    logger.info("listening on %s; waiting for %d worker(s): %s", svc.address, len(links),
+                ", ".join(config.worker_addresses))
+
+    failed = False
+
+    async def start_engine() -> None:
+        nonlocal failed
+        try:
+            await engine.start()
+        except Exception:
+            logger.exception("the workers never became ready; stopping")
+            failed = True
+            await svc.server.stop(0)
+            return
+        await svc.set_serving([SERVICE_NAME])
+
+    starter = asyncio.create_task(start_engine())
+
+    async def on_stop() -> None:
+        starter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starter
+        await engine.stop()
+
+    await wait_for_shutdown(svc, on_stop=on_stop)
+    if failed:
+        raise SystemExit(1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="spindle scheduler", description="spindle scheduler service")
+    add_arguments(parser)
+    args = parser.parse_args()
+    setup_logging("scheduler")
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    with contextlib.suppress(KeyboardInterrupt):
+        uvloop.run(serve(config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""`EngineLoop`: the asyncio loop around `Scheduler`: frontends and workers in, rounds and updates out.
+
+Adds, aborts and step outputs are applied the moment they arrive (updates go straight to the
+frontend's outbox); each then wakes the loop, which expires deadlines and asks the scheduler
+for rounds for every worker with a free round slot. Per wake-up the work is proportional to
+what changed plus the rounds built. No protobuf here: servicer.py and worker_client.py convert.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.info import SchedulerInfo
+from services.scheduler.output_processor import ProtocolError
+from services.scheduler.request import Request
+from services.scheduler.scheduler import Scheduler
+from services.scheduler.updates import RequestError, RequestUpdate, StepUpdates, UpdateSink
+from services.scheduler.worker_client import WorkerLink
+from shared.errors import ErrorKind
+from shared.execute import StepOutput
+
+logger = logging.getLogger(__name__)
+
+
+class FrontendConnection:
+    """One frontend's Connect stream: the StepUpdates waiting to be written (None ends it)."""
+
+    def __init__(self, connection_id: int) -> None:
+        self.id = connection_id
+        self.outbox: asyncio.Queue[StepUpdates | None] = asyncio.Queue()
+        self.input_closed = False  # the frontend half-closed: end once its requests are done
+
+
+class EngineLoop:
+    """Owns the Scheduler once every worker is ready; the servicer talks only to this."""
+
+    def __init__(self, config: SchedulerConfig, links: Sequence[WorkerLink],
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.links = list(links)
+        self.scheduler: Scheduler | None = None
+        self._clock = clock
+        self._connections: dict[int, FrontendConnection] = {}
+        self._connection_ids = itertools.count(1)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._last_stats_log = time.monotonic()
+        self._last_stats_steps = 0
+
+    # ---- lifecycle ----
+
+    async def start(self) -> None:
+        """Wait for every worker, then open their streams and start scheduling."""
+        infos = await asyncio.gather(*(link.wait_ready() for link in self.links))
+        self.scheduler = Scheduler(self.config, infos, [link.address for link in self.links])
+        for link in self.links:
+            link.open(self._on_output, self._on_failure)
+        self._task = asyncio.create_task(self._run(), name="engine-loop")
+        info = self.scheduler.info()
+        logger.info("%d worker(s) ready: model %s, %d KV blocks x %d tokens in all, max_model_len %d, "
+                    "max request %d tokens", info.num_workers, info.model_id, info.num_kv_blocks,
+                    info.block_size, info.max_model_len, info.max_request_tokens)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for conn in self._connections.values():
+            conn.outbox.put_nowait(None)
+        await asyncio.gather(*(link.close() for link in self.links))
+
+    def info(self) -> SchedulerInfo:
+        return self.scheduler.info() if self.scheduler is not None else SchedulerInfo(ready=False)
+
+    # ---- frontends ----
+
+    def connect(self) -> FrontendConnection:
+        conn = FrontendConnection(next(self._connection_ids))
+        self._connections[conn.id] = conn
+        logger.info("frontend connection %d opened", conn.id)
+        return conn
+
+    def disconnect(self, connection_id: int) -> None:
+        """The stream ended: abort what the frontend left unfinished."""
+        if self._connections.pop(connection_id, None) is None:
+            return
+        num_aborted = self.scheduler.abort_connection(connection_id) if self.scheduler else 0
+        logger.info("frontend connection %d closed (%d unfinished requests aborted)", connection_id,
+                    num_aborted)
+        self._wake.set()
+
+    def close_input(self, connection_id: int) -> None:
+        conn = self._connections.get(connection_id)
+        if conn is not None:
+            conn.input_closed = True
+            self._end_if_done(conn)
+
+    def add_requests(self, connection_id: int, requests: Sequence[Request]) -> None:
+        sink = UpdateSink()
+        if self.scheduler is None:
+            error = RequestError(ErrorKind.UNAVAILABLE, "the scheduler is not ready: waiting for workers")
+            for request in requests:
+                sink.add(connection_id, RequestUpdate(request.request_id, error=error))
+        else:
+            for request in requests:
+                request.connection_id = connection_id
+                self.scheduler.add_request(request, sink)
+        self._deliver(sink)
+        self._wake.set()
+
+    def abort_requests(self, connection_id: int, request_ids: Sequence[str]) -> None:
+        if self.scheduler is None:
+            return
+        sink = UpdateSink()
+        for request_id in request_ids:
+            request = self.scheduler.requests.get(request_id)
+            if request is not None and request.connection_id == connection_id:
+                self.scheduler.abort_request(request_id, sink)
+        self._deliver(sink)
+        self._wake.set()
+
+    # ---- workers ----
+
+    def _on_output(self, worker_index: int, output: StepOutput) -> None:
+        assert self.scheduler is not None
+        sink = UpdateSink()
+        try:
+            self.scheduler.update_from_output(worker_index, output, sink)
+        except ProtocolError as exc:
+            self.scheduler.fail_worker(worker_index, f"it broke the round protocol: {exc}", sink)
+        self._deliver(sink)
+        self._wake.set()
+
+    def _on_failure(self, worker_index: int, message: str) -> None:
+        assert self.scheduler is not None
+        sink = UpdateSink()
+        self.scheduler.fail_worker(worker_index, message, sink)
+        self._deliver(sink)
+        self._wake.set()
+
+    # ---- the loop ----
+
+    async def _run(self) -> None:
+        scheduler = self.scheduler
+        assert scheduler is not None
+        while True:
+            timeout = self.config.stats_interval_s
+            deadline = scheduler.next_deadline()
+            if deadline is not None:
+                timeout = min(timeout, max(deadline - self._clock(), 0.0))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            self._wake.clear()
+            self.step()
+
+    def step(self) -> None:
+        """One scheduling pass: expire deadlines, then send a round to every worker that can take one."""
+        scheduler = self.scheduler
+        assert scheduler is not None
+        sink = UpdateSink()
+        scheduler.expire_deadlines(self._clock(), sink)
+        self._deliver(sink)
+        for index, rnd in scheduler.schedule().items():
+            self.links[index].send(rnd)
+        self._maybe_log_stats()
+
+    def _deliver(self, sink: UpdateSink) -> None:
+        for connection_id, updates in sink.by_connection.items():
+            conn = self._connections.get(connection_id)
+            if conn is not None:
+                conn.outbox.put_nowait(StepUpdates(updates))
+                if conn.input_closed:
+                    self._end_if_done(conn)
+
+    def _end_if_done(self, conn: FrontendConnection) -> None:
+        if self.scheduler is None or self.scheduler.num_unfinished(conn.id) == 0:
+            conn.outbox.put_nowait(None)
+
+    def _maybe_log_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_stats_log < self.config.stats_interval_s or self.scheduler is None:
+            return
+        s = self.scheduler.stats()
+        if s.num_steps != self._last_stats_steps or s.num_running or s.num_waiting:
+            logger.info("steps %d (+%d), running %d, waiting %d, preemptions %d, prefix cache hit rate %.1f%%, "
+                        "free KV blocks %d/%d, finished %d, aborted %d, failed %d", s.num_steps,
+                        s.num_steps - self._last_stats_steps, s.num_running, s.num_waiting, s.num_preemptions,
+                        100.0 * s.prefix_hit_rate, s.num_free_blocks, s.num_kv_blocks, s.num_finished,
+                        s.num_aborted, s.num_failed)
+        self._last_stats_log = now
+        self._last_stats_steps = s.num_steps

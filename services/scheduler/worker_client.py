@@ -1,0 +1,124 @@
+"""`WorkerClient`: the scheduler's gRPC link to one worker (GetWorkerInfo, then one Execute stream).
+
+Waits until the worker answers GetWorkerInfo (backoff, progress logged), then keeps one
+bidi Execute stream: rounds go out in the order `send` is called, step outputs come back
+through a callback. A broken stream is reported once through `on_failure`; the client never
+reconnects (the worker lost its per-request state, so the scheduler fails those requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+import grpc
+
+from shared.errors import UnavailableError
+from shared.execute import ExecuteRound, StepOutput, WorkerInfo
+from shared.execute_wire import round_to_proto, step_from_proto, worker_info_from_proto
+from shared.grpc_server import GRPC_OPTIONS
+from shared.pb.spindle.v1 import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+OnOutput = Callable[[int, StepOutput], None]
+OnFailure = Callable[[int, str], None]
+
+_LOG_EVERY_S = 10.0
+
+
+class WorkerLink(Protocol):
+    """What the engine loop needs from a worker connection (the gRPC client, or a test fake)."""
+
+    address: str
+
+    async def wait_ready(self) -> WorkerInfo: ...
+
+    def open(self, on_output: OnOutput, on_failure: OnFailure) -> None: ...
+
+    def send(self, rnd: ExecuteRound) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class WorkerClient:
+    """gRPC `WorkerLink` for the worker at `address` (index = its position in the config)."""
+
+    def __init__(self, index: int, address: str, ready_timeout_s: float = 0.0,
+                 backoff_initial_s: float = 0.05, backoff_max_s: float = 2.0) -> None:
+        self.index = index
+        self.address = address
+        self._ready_timeout_s = ready_timeout_s
+        self._backoff_initial_s = backoff_initial_s
+        self._backoff_max_s = backoff_max_s
+        self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
+        self._outbox: asyncio.Queue[ExecuteRound | None] = asyncio.Queue()
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._closing = False
+
+    async def wait_ready(self) -> WorkerInfo:
+        """Poll GetWorkerInfo until it answers (raises UnavailableError past the timeout)."""
+        start = last_log = time.monotonic()
+        backoff = self._backoff_initial_s
+        while True:
+            try:
+                msg = await self._stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10.0)
+                info = worker_info_from_proto(msg)
+                logger.info("worker %d at %s ready: model %s (%s on %s), %d KV blocks x %d tokens",
+                            self.index, self.address, info.model_id, info.dtype, info.device,
+                            info.num_kv_blocks, info.block_size)
+                return info
+            except grpc.aio.AioRpcError as exc:
+                reason = f"{exc.code().name}: {exc.details()}"
+            now = time.monotonic()
+            if self._ready_timeout_s and now - start > self._ready_timeout_s:
+                raise UnavailableError(f"worker {self.address} not ready after {self._ready_timeout_s} s "
+                                       f"({reason})")
+            if now - last_log >= _LOG_EVERY_S:
+                logger.info("waiting for worker %d at %s (%s)", self.index, self.address, reason)
+                last_log = now
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self._backoff_max_s)
+
+    def open(self, on_output: OnOutput, on_failure: OnFailure) -> None:
+        self._call = self._stub.Execute(self._requests())
+        self._reader = asyncio.create_task(self._read(self._call, on_output, on_failure),
+                                           name=f"worker-{self.index}-reader")
+
+    def send(self, rnd: ExecuteRound) -> None:
+        self._outbox.put_nowait(rnd)
+
+    async def close(self) -> None:
+        self._closing = True
+        self._outbox.put_nowait(None)
+        if self._call is not None:
+            self._call.cancel()
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        await self._channel.close()
+
+    async def _requests(self) -> AsyncIterator[worker_pb2.ExecuteRequest]:
+        while (rnd := await self._outbox.get()) is not None:
+            yield round_to_proto(rnd)
+
+    async def _read(self, call: grpc.aio.StreamStreamCall, on_output: OnOutput, on_failure: OnFailure) -> None:
+        try:
+            async for msg in call:
+                on_output(self.index, step_from_proto(msg))
+            message = "the worker closed its Execute stream"
+        except grpc.aio.AioRpcError as exc:
+            message = f"Execute stream broke ({exc.code().name}: {exc.details()})"
+        except Exception as exc:  # a bad step output: fail this worker, keep serving the others
+            logger.exception("processing a step output of worker %d failed", self.index)
+            message = f"its step output could not be processed: {exc}"
+        call.cancel()
+        if not self._closing:
+            on_failure(self.index, message)

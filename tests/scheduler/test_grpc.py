@@ -1,0 +1,199 @@
+"""The scheduler service over gRPC on loopback: fake worker server, real WorkerClient and servicer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from services.scheduler import wire
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.engine_loop import EngineLoop
+from services.scheduler.request import Request
+from services.scheduler.servicer import SERVICE_NAME, register
+from services.scheduler.updates import RequestUpdate
+from services.scheduler.worker_client import WorkerClient
+from shared.errors import ErrorKind
+from shared.grpc_server import GrpcService, start_grpc
+from shared.pb.spindle.v1 import scheduler_pb2, scheduler_pb2_grpc
+from shared.sampling import SamplingOptions
+from shared.types import StopReason
+from tests.scheduler.fake_worker import FakeWorker, reference_output
+from tests.scheduler.fake_worker_server import FakeWorkerServicer, start_fake_worker_server
+
+EOS_PERIOD = 10**9  # the fake model (practically) never samples EOS here
+
+
+@dataclass
+class Stack:
+    engine: EngineLoop
+    service: GrpcService
+    workers: list[FakeWorker]
+    worker_servers: list[grpc.aio.Server]
+    channel: grpc.aio.Channel
+    stub: scheduler_pb2_grpc.SchedulerServiceStub
+
+
+@pytest.fixture
+async def stack() -> AsyncIterator[Stack]:
+    workers = [FakeWorker(32, 4, eos_period=EOS_PERIOD, max_model_len=128) for _ in range(2)]
+    servers, links = [], []
+    for index, worker in enumerate(workers):
+        # The first worker is "still loading" for a few calls: the client must retry.
+        server, address = await start_fake_worker_server(
+            FakeWorkerServicer(worker, not_ready_calls=3 if index == 0 else 0, step_delay_s=0.002))
+        servers.append(server)
+        links.append(WorkerClient(index, address, backoff_initial_s=0.01))
+    config = SchedulerConfig(worker_addresses=tuple(link.address for link in links), num_scheduler_steps=4)
+    engine = EngineLoop(config, links)
+    service = await start_grpc("127.0.0.1:0", lambda s: register(s, engine), [SERVICE_NAME])
+    starter = asyncio.create_task(engine.start())
+    channel = grpc.aio.insecure_channel(service.address)
+    yield Stack(engine, service, workers, servers, channel, scheduler_pb2_grpc.SchedulerServiceStub(channel))
+    await channel.close()
+    starter.cancel()
+    await engine.stop()
+    await service.server.stop(0)
+    for server in servers:
+        await server.stop(0)
+
+
+async def _wait_ready(stub: scheduler_pb2_grpc.SchedulerServiceStub) -> scheduler_pb2.GetSchedulerInfoResponse:
+    for _ in range(200):
+        info = await stub.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest())
+        if info.ready:
+            return info
+        await asyncio.sleep(0.02)
+    raise AssertionError("scheduler never became ready")
+
+
+async def _until(predicate: object, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def _request(request_id: str, prompt: list[int], max_tokens: int) -> Request:
+    return Request(request_id, prompt, SamplingOptions(temperature=0.0, max_tokens=max_tokens))
+
+
+async def test_info_reports_ready_once_workers_answer(stack: Stack) -> None:
+    info = await _wait_ready(stack.stub)
+    assert (info.model_id, info.num_workers, info.block_size, info.num_kv_blocks) == ("fake", 2, 4, 64)
+    assert info.max_model_len == 128 and info.vocab_size == 64
+    assert info.max_request_tokens == 32 * 4 - 3  # pool minus multi-step lookahead slack
+
+
+async def test_connect_streams_step_updates_and_abort_frees_blocks(stack: Stack) -> None:
+    await _wait_ready(stack.stub)
+    outbox: asyncio.Queue[scheduler_pb2.ConnectRequest | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[scheduler_pb2.ConnectRequest]:
+        while (msg := await outbox.get()) is not None:
+            yield msg
+
+    call = stack.stub.Connect(requests())
+    prompts = {"a": [5, 6, 7, 8, 9], "b": [10, 11], "c": [12, 13, 14], "long": list(range(20, 40))}
+    max_tokens = {"a": 12, "b": 20, "c": 6, "long": 90}
+    outbox.put_nowait(wire.add_requests_to_proto([_request(r, p, max_tokens[r]) for r, p in prompts.items()]))
+    tokens: dict[str, list[int]] = {r: [] for r in prompts}
+    finals: dict[str, RequestUpdate] = {}
+    num_messages = 0
+    scheduler = stack.engine.scheduler
+    assert scheduler is not None
+    long_kv = None
+    async for msg in call:
+        num_messages += 1
+        if long_kv is None:
+            long_kv = scheduler.workers[scheduler.requests["long"].worker_index or 0].kv
+            assert long_kv is not None and long_kv.has_blocks("long")
+        seen = [u.request_id for u in msg.step.updates]
+        assert len(seen) == len(set(seen)), "one message per step, one update per request"
+        for update in map(wire.update_from_proto, msg.step.updates):
+            assert update.request_id not in finals, "update after the final one"
+            tokens[update.request_id].extend(update.token_ids)
+            if update.is_final:
+                finals[update.request_id] = update
+        if len(tokens["long"]) >= 3 and "long" not in finals and not outbox.qsize():
+            outbox.put_nowait(wire.abort_requests_to_proto(["long"]))
+        if "long" in finals:
+            assert not long_kv.has_blocks("long"), "abort must free blocks at once"
+        if len(finals) == len(prompts):
+            break
+    outbox.put_nowait(None)
+    assert finals["long"].stop_reason == StopReason.ABORTED
+    for request_id in ("a", "b", "c"):
+        assert finals[request_id].stop_reason == StopReason.LENGTH
+        assert tokens[request_id] == reference_output(
+            prompts[request_id], SamplingOptions(temperature=0.0, max_tokens=max_tokens[request_id]), 128, 64,
+            EOS_PERIOD)
+    assert num_messages < sum(len(t) for t in tokens.values()), "updates of one step share a message"
+    await _until(lambda: all(ws.kv is not None and ws.kv.num_free_blocks == ws.kv.num_blocks
+                             for ws in scheduler.workers))
+
+
+async def test_closing_the_stream_aborts_the_frontends_requests(stack: Stack) -> None:
+    await _wait_ready(stack.stub)
+    outbox: asyncio.Queue[scheduler_pb2.ConnectRequest] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[scheduler_pb2.ConnectRequest]:
+        while True:
+            yield await outbox.get()
+
+    call = stack.stub.Connect(requests())
+    outbox.put_nowait(wire.add_requests_to_proto([_request("x", [5, 6], 100), _request("y", [7], 100)]))
+    first = await call.read()
+    assert first.step.updates
+    scheduler = stack.engine.scheduler
+    assert scheduler is not None and set(scheduler.requests) == {"x", "y"}
+    call.cancel()
+    await _until(lambda: not scheduler.requests)
+    await _until(lambda: all(ws.kv is not None and ws.kv.num_free_blocks == ws.kv.num_blocks
+                             for ws in scheduler.workers))
+    assert scheduler.stats().num_aborted == 2
+
+
+async def test_half_closed_stream_ends_after_its_requests_finish(stack: Stack) -> None:
+    info = await _wait_ready(stack.stub)
+    too_big = _request("big", [5] * 10, info.max_request_tokens)
+    messages = [wire.add_requests_to_proto([_request("z", [5, 6, 7], 5), too_big])]
+    updates = [wire.update_from_proto(u) async for m in stack.stub.Connect(iter(messages)) for u in m.step.updates]
+    by_id: dict[str, list[RequestUpdate]] = {}
+    for update in updates:
+        by_id.setdefault(update.request_id, []).append(update)
+    assert [t for u in by_id["z"] for t in u.token_ids] == reference_output(
+        [5, 6, 7], SamplingOptions(temperature=0.0, max_tokens=5), 128, 64, EOS_PERIOD)
+    [rejected] = by_id["big"]
+    assert rejected.error is not None and rejected.error.kind is ErrorKind.INVALID_ARGUMENT
+
+
+async def test_failed_worker_fails_its_requests_with_unavailable(stack: Stack) -> None:
+    await _wait_ready(stack.stub)
+    scheduler = stack.engine.scheduler
+    assert scheduler is not None
+    outbox: asyncio.Queue[scheduler_pb2.ConnectRequest] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[scheduler_pb2.ConnectRequest]:
+        while True:
+            yield await outbox.get()
+
+    call = stack.stub.Connect(requests())
+    outbox.put_nowait(wire.add_requests_to_proto([_request("p", [5, 6], 100), _request("q", [7, 8], 100)]))
+    await call.read()
+    doomed = scheduler.requests["p"].worker_index
+    assert doomed is not None and scheduler.requests["q"].worker_index != doomed
+    await stack.worker_servers[doomed].stop(0)
+    errors = {}
+    while "p" not in errors:
+        msg = await call.read()
+        for update in map(wire.update_from_proto, msg.step.updates):
+            if update.error is not None:
+                errors[update.request_id] = update.error
+    assert errors["p"].kind is ErrorKind.UNAVAILABLE and "failed" in errors["p"].message
+    assert "q" in scheduler.requests, "the other worker keeps serving"
+    call.cancel()

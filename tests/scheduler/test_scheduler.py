@@ -1,0 +1,295 @@
+"""Scheduler policy, one behaviour per test, against in-process fake workers."""
+
+from __future__ import annotations
+
+import json
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.request import Request, RequestStatus
+from services.scheduler.scheduler import Scheduler
+from services.scheduler.updates import RequestUpdate, UpdateSink
+from shared.errors import ErrorKind
+from shared.sampling import SamplingOptions
+from shared.types import RequestKind, StopReason
+from tests.scheduler.fake_worker import EOS_TOKEN_ID, FakeWorker, reference_output
+
+NEVER_EOS = 10**9  # eos_period that (practically) never samples EOS
+
+
+def _make(num_blocks: int = 64, block_size: int = 4, num_workers: int = 1, eos_period: int = NEVER_EOS,
+          max_model_len: int = 256, **config: object) -> tuple[Scheduler, list[FakeWorker]]:
+    workers = [FakeWorker(num_blocks, block_size, eos_period=eos_period, max_model_len=max_model_len)
+               for _ in range(num_workers)]
+    return Scheduler(SchedulerConfig(**config), [w.info for w in workers]), workers  # type: ignore[arg-type]
+
+
+def _req(request_id: str, prompt: list[int], max_tokens: int = 8, priority: int = 0, **sampling: object) -> Request:
+    return Request(request_id=request_id, prompt_token_ids=prompt, priority=priority,
+                   sampling=SamplingOptions(temperature=0.0, max_tokens=max_tokens, **sampling))  # type: ignore[arg-type]
+
+
+def _updates(sink: UpdateSink) -> list[RequestUpdate]:
+    return [u for batch in sink.by_connection.values() for u in batch]
+
+
+def _run_until_done(sched: Scheduler, workers: list[FakeWorker], limit: int = 500) -> dict[str, list[int]]:
+    """Schedule and run whole rounds until no request is left; returns tokens per request."""
+    tokens: dict[str, list[int]] = {}
+    for _ in range(limit):
+        if not sched.requests:
+            return tokens
+        for index, rnd in sched.schedule().items():
+            workers[index].submit(rnd)
+        for index, worker in enumerate(workers):
+            while worker.has_work:
+                sink = UpdateSink()
+                sched.update_from_output(index, worker.step(), sink)
+                for u in _updates(sink):
+                    tokens.setdefault(u.request_id, []).extend(u.token_ids)
+    raise AssertionError("requests did not finish")
+
+
+def test_rejects_request_that_can_never_fit_in_one_worker() -> None:
+    sched, _ = _make(num_blocks=8, block_size=4)  # 32 tokens per worker
+    sink = UpdateSink()
+    sched.add_request(_req("big", list(range(4, 24)), max_tokens=20), sink)
+    [update] = _updates(sink)
+    assert update.error is not None and update.error.kind is ErrorKind.INVALID_ARGUMENT
+    assert "32" in update.error.message
+    assert not sched.requests and not sched.schedule()
+
+
+def test_rejects_invalid_requests_with_clear_errors() -> None:
+    sched, _ = _make()
+    sink = UpdateSink()
+    sched.add_request(_req("empty", []), sink)
+    sched.add_request(_req("zero", [5], max_tokens=0), sink)
+    sched.add_request(Request("embed", [5, 6], kind=RequestKind.EMBED), sink)
+    sched.add_request(_req("long", [5] * 300), sink)
+    sched.add_request(_req("ok", [5]), sink)
+    sched.add_request(_req("ok", [6]), sink)
+    messages = {u.request_id: u.error.message for u in _updates(sink) if u.error}
+    assert set(messages) == {"empty", "zero", "embed", "long", "ok"}
+    assert "already in use" in messages["ok"] and "embed" in messages["embed"]
+    assert list(sched.requests) == ["ok"]
+
+
+def test_higher_priority_waits_less() -> None:
+    sched, _ = _make(max_num_seqs=1)
+    sink = UpdateSink()
+    sched.add_request(_req("low", [5, 6], priority=0), sink)
+    sched.add_request(_req("high", [7, 8], priority=5), sink)
+    rnd = sched.schedule()[0]
+    assert [n.request_id for n in rnd.new_requests] == ["high"]
+
+
+def test_long_prompt_is_chunked_and_mixed_with_decodes() -> None:
+    sched, [worker] = _make(max_num_batched_tokens=16)
+    sink = UpdateSink()
+    sched.add_request(_req("short", [5, 6, 7], max_tokens=20), sink)
+    worker.submit(sched.schedule()[0])
+    for out in worker.run_round():
+        sched.update_from_output(0, out, sink)
+    sched.add_request(_req("long", list(range(4, 44))), sink)
+    chunks = []
+    for _ in range(3):
+        rnd = sched.schedule()[0]
+        chunks.append(rnd.num_scheduled_tokens)
+        assert sum(rnd.num_scheduled_tokens) <= 16
+        worker.submit(rnd)
+        for out in worker.run_round():
+            sched.update_from_output(0, out, sink)
+    # decode of "short" (1 token) + a 15-token chunk, twice, then the last 10 prompt tokens.
+    assert chunks == [[15, 1], [1, 15], [1, 10]]
+
+
+def test_priority_preemption_evicts_lower_priority_running_request() -> None:
+    for enabled in (False, True):
+        sched, [worker] = _make(num_blocks=6, block_size=4, enable_priority_preemption=enabled)
+        sink = UpdateSink()
+        sched.add_request(_req("low", list(range(4, 20)), max_tokens=8), sink)  # 4 blocks + 1 to decode
+        worker.submit(sched.schedule()[0])
+        for out in worker.run_round():
+            sched.update_from_output(0, out, sink)
+        sched.add_request(_req("high", list(range(30, 42)), max_tokens=4, priority=1), sink)
+        rnd = sched.schedule()[0]
+        admitted = [n.request_id for n in rnd.new_requests]
+        if enabled:
+            assert admitted == ["high"] and rnd.finished_request_ids == ["low"]
+            assert sched.requests["low"].status is RequestStatus.PREEMPTED
+        else:
+            assert admitted == [] and sched.requests["low"].status is RequestStatus.RUNNING
+
+
+def test_preempted_request_resumes_with_same_tokens() -> None:
+    sched, workers = _make(num_blocks=10, block_size=4, max_num_batched_tokens=64)
+    sink = UpdateSink()
+    prompts = {f"r{i}": [4 + i] * 9 + list(range(10 + i, 14 + i)) for i in range(4)}
+    for request_id, prompt in prompts.items():
+        sched.add_request(_req(request_id, prompt, max_tokens=12), sink)
+    tokens = _run_until_done(sched, workers)
+    assert sched.stats().num_preemptions > 0
+    for request_id, prompt in prompts.items():
+        expected = reference_output(prompt, sched_sampling(12), 256, 64, NEVER_EOS)
+        assert tokens[request_id] == expected
+
+
+def sched_sampling(max_tokens: int) -> SamplingOptions:
+    return SamplingOptions(temperature=0.0, max_tokens=max_tokens)
+
+
+def test_identical_block_aligned_requests_do_not_crash_and_match() -> None:
+    """Regression for vLLM PR 11895: the second identical request recomputes the last block."""
+    sched, [worker] = _make(block_size=4)
+    sink = UpdateSink()
+    prompt = list(range(4, 20))  # 16 tokens, 4 full blocks
+    sched.add_request(_req("a", prompt), sink)
+    worker.submit(sched.schedule()[0])
+    for out in worker.run_round():
+        sched.update_from_output(0, out, sink)
+    sched.add_request(_req("b", prompt), sink)
+    rnd = sched.schedule()[0]
+    [new] = rnd.new_requests
+    assert new.num_computed_tokens == 12 and rnd.num_scheduled_tokens[0] == 4
+    worker.submit(rnd)
+    tokens = _run_until_done(sched, [worker])
+    assert tokens["b"] == reference_output(prompt, sched_sampling(8), 256, 64, NEVER_EOS)
+
+
+def test_multi_step_round_shrinks_to_one_step_when_a_prefill_waits() -> None:
+    sched, [worker] = _make(num_scheduler_steps=8)
+    sink = UpdateSink()
+    sched.add_request(_req("a", [5, 6, 7], max_tokens=50), sink)
+    first = sched.schedule()[0]
+    assert first.num_steps == 1  # its own prefill
+    second = sched.schedule()[0]  # pipelined while the worker runs the first
+    assert second.num_steps == 8 and second.num_scheduled_tokens == [1]
+    sched.add_request(_req("b", [8, 9]), sink)
+    assert 0 not in sched.schedule(), "two rounds in flight: no third"
+    worker.submit(first)
+    worker.submit(second)
+    for out in worker.run_round():
+        sched.update_from_output(0, out, sink)
+    third = sched.schedule()[0]
+    assert third.num_steps == 1 and [n.request_id for n in third.new_requests] == ["b"]
+
+
+def test_multi_step_round_is_cut_to_the_tokens_still_wanted() -> None:
+    sched, [worker] = _make(num_scheduler_steps=8)
+    sink = UpdateSink()
+    sched.add_request(_req("a", [5, 6, 7], max_tokens=4), sink)
+    worker.submit(sched.schedule()[0])
+    for out in worker.run_round():
+        sched.update_from_output(0, out, sink)
+    assert sched.schedule()[0].num_steps == 3
+
+
+def test_abort_frees_blocks_now_and_tells_the_worker_next_round() -> None:
+    sched, [worker] = _make(num_blocks=16)
+    sink = UpdateSink()
+    sched.add_request(_req("a", list(range(4, 14)), max_tokens=50), sink)
+    sched.add_request(_req("b", [5, 6], max_tokens=50), sink)
+    worker.submit(sched.schedule()[0])
+    kv = sched.workers[0].kv
+    assert kv is not None and kv.num_free_blocks < 16
+    assert sched.abort_request("a", sink)
+    assert kv.num_free_blocks == 16 - len(kv.block_table("b"))
+    assert [u.stop_reason for u in _updates(sink)] == [StopReason.ABORTED]
+    rnd = sched.schedule()[0]
+    assert rnd.finished_request_ids == ["a"]
+    assert not sched.abort_request("a", sink), "unknown ids are ignored"
+
+
+def test_deadline_aborts_request() -> None:
+    sched, _ = _make()
+    sink = UpdateSink()
+    request = _req("a", [5, 6])
+    request.deadline_unix_s = 100.0
+    sched.add_request(request, sink)
+    sched.expire_deadlines(99.0, sink)
+    assert "a" in sched.requests
+    sched.expire_deadlines(100.5, sink)
+    assert not sched.requests and _updates(sink)[0].stop_reason is StopReason.ABORTED
+
+
+def test_connection_close_aborts_only_its_requests() -> None:
+    sched, _ = _make()
+    sink = UpdateSink()
+    for i, conn in enumerate([1, 1, 2]):
+        request = _req(f"r{i}", [5, 6])
+        request.connection_id = conn
+        sched.add_request(request, sink)
+    assert sched.abort_connection(1) == 2
+    assert list(sched.requests) == ["r2"] and sched.num_unfinished(1) == 0
+
+
+def test_tokens_after_a_stop_inside_a_round_are_not_forwarded() -> None:
+    sched, [worker] = _make(num_scheduler_steps=8, eos_period=3)
+    sink = UpdateSink()
+    prompt = [5, 6, 7]
+    sched.add_request(_req("a", prompt, max_tokens=40), sink)
+    tokens = _run_until_done(sched, [worker])
+    expected = reference_output(prompt, sched_sampling(40), 256, 64, 3)
+    assert tokens["a"] == expected and expected[-1] == EOS_TOKEN_ID and len(expected) < 40
+
+
+def test_new_request_goes_to_worker_with_longest_prefix_hit_then_least_loaded() -> None:
+    sched, workers = _make(num_workers=3)
+    sink = UpdateSink()
+    shared = list(range(4, 20))
+    sched.add_request(_req("a", shared + [30]), sink)
+    sched.add_request(_req("b", [40, 41]), sink)
+    assert (sched.requests["a"].worker_index, sched.requests["b"].worker_index) == (0, 1)
+    _run_until_done(sched, workers)
+    sched.add_request(_req("c", shared + [31]), sink)
+    sched.add_request(_req("d", [50]), sink)
+    assert sched.requests["c"].worker_index == 0  # prefix hit beats load
+    assert sched.requests["d"].worker_index == 1  # tie (no hit): least loaded, lowest index
+
+
+def test_failed_worker_fails_its_requests_and_others_keep_serving() -> None:
+    sched, workers = _make(num_workers=2)
+    sink = UpdateSink()
+    sched.add_request(_req("a", [5, 6]), sink)
+    sched.add_request(_req("b", [7, 8]), sink)
+    for index, rnd in sched.schedule().items():
+        workers[index].submit(rnd)
+    sched.fail_worker(0, "stream closed", sink)
+    [update] = _updates(sink)
+    assert update.request_id == "a" and update.error is not None
+    assert update.error.kind is ErrorKind.UNAVAILABLE and "stream closed" in update.error.message
+    sched.add_request(_req("c", [9]), sink)
+    assert sched.requests["c"].worker_index == 1
+    tokens = _run_until_done(sched, [FakeWorker(1, 4), workers[1]])  # worker 0's outputs never arrive
+    assert set(tokens) == {"b", "c"}
+
+
+def test_embed_requests_are_batched_and_pooled() -> None:
+    worker = FakeWorker(0, 1, task=RequestKind.EMBED)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=10), [worker.info])
+    sink = UpdateSink()
+    for i, n in enumerate([4, 5, 12]):
+        sched.add_request(Request(f"e{i}", list(range(4, 4 + n)), kind=RequestKind.EMBED), sink)
+    rounds = []
+    while sched.requests:
+        rnd = sched.schedule()[0]
+        rounds.append([p.request_id for p in rnd.pooling_requests])
+        worker.submit(rnd)
+        for out in worker.run_round():
+            sched.update_from_output(0, out, sink)
+    assert rounds == [["e0", "e1"], ["e2"]]  # 12 tokens > budget: runs alone
+    pooled = {u.request_id: u.pooled for u in _updates(sink)}
+    assert pooled["e2"] == [12.0, float(sum(range(4, 16)) % 97)]
+    assert all(u.stop_reason is StopReason.POOLED for u in _updates(sink))
+
+
+def test_request_state_round_trips_through_a_plain_dict() -> None:
+    request = _req("a", [5, 6, 7], max_tokens=9, stop_token_ids=(3, 4), logprobs=2)
+    request.cache_salts = ("img",)
+    request.append_output_token(11)
+    request.status = RequestStatus.PREEMPTED
+    request.stop_reason = StopReason.LENGTH
+    data = json.loads(json.dumps(request.to_dict()))
+    back = Request.from_dict(data)
+    assert back.to_dict() == request.to_dict()
+    assert back.all_token_ids == [5, 6, 7, 11] and back.sampling == request.sampling
