@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.frontend.config import FrontendConfig
 from services.frontend.generation_defaults import GenerationDefaults
@@ -25,9 +26,11 @@ from services.frontend.messages import (
     TokenizeResult,
 )
 from services.frontend.output_processor import OutputProcessor
-from services.frontend.scheduler_client import SchedulerClient
 from services.frontend.tokenizer import Tokenizer
 from services.frontend.validation import check_model, check_prompt, check_sampling, resolve_sampling
+
+if TYPE_CHECKING:  # the gRPC client is injected; this module never imports grpc
+    from services.frontend.scheduler_client import SchedulerClient
 from shared.errors import InvalidArgumentError
 from shared.types import RequestKind
 

@@ -66,6 +66,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _generate(http_request: web.Request, parsed: OpenAIRequest) -> web.StreamResponse:
     engine = http_request.app[ENGINE]
     parsed.input.request_id = http_request.headers.get(REQUEST_ID_HEADER, "")
+    parsed.input.traceparent = http_request.headers.get("traceparent", "")
     prepared = await engine.prepare(parsed.input)
     prefix, formatter_class = FORMATTERS[parsed.endpoint]
     formatter = formatter_class(prefix + prepared.request_id, engine.model_name, engine.tokenizer.token_text,

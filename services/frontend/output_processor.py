@@ -93,7 +93,8 @@ class OutputProcessor:
             if self.finish_reason is not None:
                 break
         self.num_output_tokens += len(token_ids)
-        text = self._stops.feed(self._detokenizer.step(token_ids[:-1] if hide_last else token_ids))
+        can_match = self.num_output_tokens >= self._options.min_tokens
+        text = self._stops.feed(self._detokenizer.step(token_ids[:-1] if hide_last else token_ids), can_match)
         if self.finish_reason is not None and self._stops.matched is None:
             text += self._flush()
         if self._stops.matched is not None:

@@ -16,6 +16,7 @@ import logging
 import math
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.frontend.messages import (
     AddRequest,
@@ -26,9 +27,11 @@ from services.frontend.messages import (
     ScoreInput,
     Usage,
 )
-from services.frontend.scheduler_client import RequestStream, SchedulerClient
 from services.frontend.tokenizer import Encoded, Tokenizer
 from services.frontend.validation import check_model, check_token_ids
+
+if TYPE_CHECKING:  # the gRPC client is injected; this module never imports grpc
+    from services.frontend.scheduler_client import RequestStream, SchedulerClient
 from shared.errors import InternalError, InvalidArgumentError
 from shared.sampling import SamplingOptions
 from shared.types import RequestKind

@@ -27,7 +27,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def Generate(self, request: generation_pb2.GenerateRequest,  # noqa: N802 - gRPC method name
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        prepared = await self._engine.prepare(wire.generate_input_from_proto(request))
+        generate = wire.generate_input_from_proto(request)
+        generate.traceparent = _traceparent(context)
+        prepared = await self._engine.prepare(generate)
         async with contextlib.aclosing(self._engine.run(prepared)) as events:
             async for event in events:
                 if isinstance(event, GenerateChunk):
@@ -52,6 +54,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     context: grpc.aio.ServicerContext) -> generation_pb2.ScoreResponse:
         result = await self._pooling.score(wire.score_input_from_proto(request))
         return wire.score_to_proto(rank([v[0] for v in result.vectors], request.sort, request.top_n), result.usage)
+
+
+def _traceparent(context: grpc.aio.ServicerContext) -> str:
+    """The caller's W3C trace context, passed on to the scheduler."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "traceparent":
+            return str(value)
+    return ""
 
 
 def register(engine: EngineClient, pooling: PoolingClient) -> Callable[[grpc.aio.Server], None]:

@@ -27,11 +27,17 @@ class StopStringMatcher:
     def is_active(self) -> bool:
         return bool(self._stops)
 
-    def feed(self, text: str) -> str:
-        """Take the next text delta; return the part that is safe to emit now."""
+    def feed(self, text: str, can_match: bool = True) -> str:
+        """Take the next text delta; return the part that is safe to emit now.
+
+        `can_match=False` (before min_tokens) lets the text through unmatched, as vLLM does.
+        """
         if not self._stops or self.matched is not None:
             return "" if self.matched is not None else text
         buf = self._held + text
+        if not can_match:
+            self._held = ""
+            return buf
         # Only the held tail plus the new text can contain a stop string that was not found
         # before, so the search is O(len(text) + longest stop string). The stop string that
         # completes first wins (ties: the longer one), so the result does not depend on how

@@ -102,5 +102,5 @@ def test_token_texts_are_unique_even_for_partial_characters(tokenizer: Tokenizer
     assert len(partial) > 5
     texts = [tokenizer.token_text(i) for i in partial]
     assert len(set(texts)) == len(texts)
-    assert tokenizer.token_text(tokenizer.hf.encode("hello", add_special_tokens=False)[0]) == "hello"[
-        : len(tokenizer.token_text(tokenizer.hf.encode("hello", add_special_tokens=False)[0]))]
+    first = tokenizer.token_text(tokenizer.hf.encode("hello", add_special_tokens=False)[0])
+    assert first and "hello".startswith(first)  # whole characters keep their plain text

@@ -28,18 +28,26 @@ async def _collect(stub: Stub, request: pb.GenerateRequest) -> tuple[list[pb.Gen
     return chunks, last
 
 
-async def test_generate_streams_one_chunk_per_step_then_complete(stub: Stub, frontend: Frontend) -> None:
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+async def test_generate_streams_one_chunk_per_step_then_complete(stub: Stub, frontend: Frontend,
+                                                                 fake: FakeScheduler) -> None:
     tokenizer = frontend.tokenizer
     prompt = "数据 模型 🙂 hello"
     request = pb.GenerateRequest(model=MODEL_NAME, text=prompt, sampling=pb.SamplingParams(max_tokens=9),
                                  request_id="client-42")
-    chunks, last = await _collect(stub, request)
+    chunks, last = [], None
+    async for response in stub.Generate(request, metadata=(("traceparent", TRACEPARENT),)):
+        chunks += [response.chunk] if response.HasField("chunk") else []
+        last = response
     prompt_ids = tokenizer.hf.encode(prompt)
     echoed = prompt_ids[1:10]  # the fake echoes the prompt without BOS
     assert [i for c in chunks for i in c.token_ids] == echoed
     assert all(len(c.token_ids) == 1 for c in chunks)  # one step, one token, one message
     assert "".join(c.text for c in chunks) == tokenizer.decode(echoed)
-    assert last.request_id == "client-42"
+    assert last is not None and last.request_id == "client-42"
+    assert (fake.added[0].request_id, fake.added[0].traceparent) == ("client-42", TRACEPARENT)
     assert last.complete.finish_reason == pb.FINISH_REASON_LENGTH
     assert last.complete.usage.prompt_tokens == len(prompt_ids)
     assert last.complete.usage.completion_tokens == 9

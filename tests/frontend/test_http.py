@@ -32,9 +32,9 @@ def _expected(frontend: Frontend, prompt_ids: list[int], n: int) -> str:
     return frontend.tokenizer.decode(echo_script(prompt_ids)[:n])
 
 
-def _chat_prompt_ids(frontend: Frontend, content: str) -> list[int]:
-    text = frontend.tokenizer.hf.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                                     add_generation_prompt=True)
+def _chat_prompt_ids(frontend: Frontend, messages: list[tuple[str, str]]) -> list[int]:
+    conversation = [{"role": role, "content": content} for role, content in messages]
+    text = frontend.tokenizer.hf.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     return frontend.tokenizer.hf.encode(text, add_special_tokens=False)
 
 
@@ -81,7 +81,7 @@ async def test_completion_with_stop_string(client: AsyncOpenAI) -> None:
 async def test_chat(client: AsyncOpenAI, frontend: Frontend) -> None:
     result = await client.chat.completions.create(model=MODEL_NAME, max_tokens=7,
                                                   messages=[{"role": "user", "content": "hi 🙂"}])
-    prompt_ids = _chat_prompt_ids(frontend, "hi 🙂")
+    prompt_ids = _chat_prompt_ids(frontend, [("user", "hi 🙂")])
     message = result.choices[0].message
     assert message.role == "assistant"
     assert message.content == _expected(frontend, prompt_ids, 7)
@@ -100,23 +100,19 @@ async def test_chat_stream_with_logprobs(client: AsyncOpenAI, frontend: Frontend
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert deltas[0].role == "assistant"
     content = "".join(d.content or "" for d in deltas)
-    assert content == _expected(frontend, _chat_prompt_ids_multi(frontend), 5)  # both messages templated
+    prompt_ids = _chat_prompt_ids(frontend, [("system", "be brief"), ("user", "hi")])
+    assert content == _expected(frontend, prompt_ids, 5)  # both messages go through the template
     entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
     assert len(entries) == 5
     assert all(len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode()) for e in entries)
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
 
 
-def _chat_prompt_ids_multi(frontend: Frontend) -> list[int]:
-    text = frontend.tokenizer.hf.apply_chat_template(
-        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], tokenize=False,
-        add_generation_prompt=True)
-    return frontend.tokenizer.hf.encode(text, add_special_tokens=False)
-
-
-async def test_sse_framing_ends_with_done(http_url: str) -> None:
+async def test_sse_framing_ends_with_done(http_url: str, fake: FakeScheduler) -> None:
     body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 3, "stream": True}
-    async with aiohttp.ClientSession() as session, session.post(http_url + "/v1/completions", json=body) as resp:
+    headers = {"X-Request-Id": "abc", "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    async with aiohttp.ClientSession() as session, \
+            session.post(http_url + "/v1/completions", json=body, headers=headers) as resp:
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("text/event-stream")
         raw = (await resp.read()).decode()
@@ -126,6 +122,8 @@ async def test_sse_framing_ends_with_done(http_url: str) -> None:
     assert all(e.startswith("data: ") for e in events[:-1])
     assert [p["choices"][0]["finish_reason"] for p in payloads] == [None, None, None, "length"]
     assert all("usage" not in p for p in payloads)
+    assert {p["id"] for p in payloads} == {"cmpl-abc"}
+    assert (fake.added[0].request_id, fake.added[0].traceparent) == ("abc", headers["traceparent"])
 
 
 async def test_models(client: AsyncOpenAI) -> None:

@@ -128,3 +128,20 @@ async def test_no_match_releases_the_held_back_tail_at_the_end(
     assert complete.finish_reason == pb.FINISH_REASON_LENGTH
     assert complete.matched_stop == ""
     assert text == "hello wor"
+
+
+def test_stop_string_is_not_matched_before_min_tokens() -> None:
+    matcher = StopStringMatcher(["ab"])
+    assert matcher.feed("xa", can_match=False) == "xa"
+    assert matcher.feed("b a", can_match=True) == "b "
+    assert matcher.feed("b", can_match=True) == ""
+    assert matcher.matched == "ab"
+
+
+async def test_min_tokens_lets_an_early_stop_string_through(
+        stub: generation_pb2_grpc.GenerationServiceStub, frontend: Frontend) -> None:
+    num_tokens = len(frontend.tokenizer.hf.encode("hello world, ", add_special_tokens=False))
+    text, _, complete, _ = await _generate(stub, "hello world, ", max_tokens=60, stop=["world,"],
+                                           min_tokens=num_tokens + 1)
+    assert text == "hello world, hello "
+    assert complete.matched_stop == "world,"
