@@ -96,7 +96,7 @@ class OutputProcessor:
         can_match = self.num_output_tokens >= self._options.min_tokens
         text = self._stops.feed(self._detokenizer.step(token_ids[:-1] if hide_last else token_ids), can_match)
         if self.finish_reason is not None and self._stops.matched is None:
-            text += self._flush()
+            text += self._flush(can_match)
         if self._stops.matched is not None:
             self.finish_reason = FinishReason.STOP
             self.matched_stop = self._stops.matched
@@ -120,9 +120,9 @@ class OutputProcessor:
             matched_stop=self.matched_stop,
         )
 
-    def _flush(self) -> str:
+    def _flush(self, can_match: bool = True) -> str:
         """The detokenizer's and the stop matcher's held-back text (a stop string may still match)."""
-        text = self._stops.feed(self._detokenizer.flush())
+        text = self._stops.feed(self._detokenizer.flush(), can_match)
         if self._stops.matched is None:
             text += self._stops.flush()
         return text

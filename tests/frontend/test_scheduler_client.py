@@ -1,0 +1,77 @@
+"""SchedulerClient without a network: batching of adds/aborts, demultiplexing, merging of updates."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.frontend.messages import AddRequest
+from services.frontend.scheduler_client import SchedulerClient
+from shared.pb.spindle.v1 import common_pb2, scheduler_pb2
+from shared.sampling import SamplingOptions
+
+
+def _client() -> tuple[SchedulerClient, asyncio.Queue[scheduler_pb2.ConnectRequest | None]]:
+    """A client that looks connected: what it sends lands in the returned queue."""
+    client = SchedulerClient("test:0")
+    outbox: asyncio.Queue[scheduler_pb2.ConnectRequest | None] = asyncio.Queue()
+    client._outbox = outbox
+    return client, outbox
+
+
+def _add(request_id: str) -> AddRequest:
+    return AddRequest(request_id=request_id, prompt_token_ids=[5, 6], sampling=SamplingOptions(max_tokens=4))
+
+
+def _step(*updates: scheduler_pb2.RequestUpdate) -> scheduler_pb2.ConnectResponse:
+    return scheduler_pb2.ConnectResponse(step=scheduler_pb2.StepUpdates(updates=updates))
+
+
+def _sent(outbox: asyncio.Queue[scheduler_pb2.ConnectRequest | None]) -> list[scheduler_pb2.ConnectRequest]:
+    messages = []
+    while not outbox.empty():
+        message = outbox.get_nowait()
+        assert message is not None
+        messages.append(message)
+    return messages
+
+
+async def test_adds_and_aborts_of_one_loop_iteration_leave_as_one_message_each() -> None:
+    client, outbox = _client()
+    streams = [client.submit(_add(f"r{i}")) for i in range(4)]
+    streams[3].close()  # aborted before it was sent: the scheduler never hears of it
+    await asyncio.sleep(0)
+    [adds] = _sent(outbox)
+    assert [r.request_id for r in adds.add.requests] == ["r0", "r1", "r2"]
+    streams[0].close()
+    streams[1].close()
+    await asyncio.sleep(0)
+    [aborts] = _sent(outbox)
+    assert list(aborts.abort.request_ids) == ["r0", "r1"]
+    assert client.num_in_flight == 1
+
+
+async def test_updates_are_demultiplexed_and_merged_when_the_consumer_lags() -> None:
+    client, outbox = _client()
+    a, b = client.submit(_add("a")), client.submit(_add("b"))
+    await asyncio.sleep(0)  # the adds leave
+    client._dispatch(_step(scheduler_pb2.RequestUpdate(request_id="a", token_ids=[7]),
+                           scheduler_pb2.RequestUpdate(request_id="b", token_ids=[8]),
+                           scheduler_pb2.RequestUpdate(request_id="unknown", token_ids=[9])))
+    client._dispatch(_step(scheduler_pb2.RequestUpdate(request_id="a", token_ids=[10],
+                                                       stop_reason=common_pb2.STOP_REASON_LENGTH)))
+    batch = await anext(a)
+    assert [u.token_ids for u in batch] == [[7], [10]]  # two steps, one batch: the consumer catches up
+    assert batch[-1].is_final
+    assert [u.token_ids for u in await anext(b)] == [[8]]
+    a.close()  # finished: no abort needed
+    b.close()
+    await asyncio.sleep(0)
+    assert [list(m.abort.request_ids) for m in _sent(outbox) if m.HasField("abort")] == [["b"]]
+
+
+async def test_lost_connection_fails_in_flight_requests_with_unavailable() -> None:
+    client, _ = _client()
+    stream = client.submit(_add("a"))
+    client._fail_all("gone")
+    [update] = await anext(stream)
+    assert update.error is not None and type(update.error).__name__ == "UnavailableError"
