@@ -62,9 +62,8 @@ def test_chat_completion_matches_transformers(server: RunningServer, tiny_models
     model_dir = tiny_models["llama"]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello spindle, café 🙂"}]
-    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(prompt_ids, dict):
-        prompt_ids = prompt_ids["input_ids"]
+    prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer(prompt_text, add_special_tokens=False).input_ids
     want = greedy_tokens(model_dir, list(prompt_ids), 24)
     client = OpenAI(base_url=server.http_url + "/v1", api_key="unused")
     result = client.chat.completions.create(model=server.model_name, messages=messages, max_tokens=24, temperature=0)
