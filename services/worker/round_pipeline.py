@@ -1,10 +1,10 @@
 """`RoundPipeline`: runs one Execute stream's rounds on the single compute thread, in order.
 
 Rounds go to a one-thread executor as they arrive (so the next round is queued while the
-current one computes); each step's `SampledStep` comes back through an asyncio queue fed with
-`loop.call_soon_threadsafe`, and is converted to a `StepOutput` here, on the event loop, not in
-the compute thread. A failed round ends the stream with its exception; later rounds are skipped.
-No grpc or protobuf here.
+current one computes); each step's `SampledStep` (or `PooledStep`) comes back through an
+asyncio queue fed with `loop.call_soon_threadsafe`, and is converted to a `StepOutput` here,
+on the event loop, not in the compute thread. A failed round ends the stream with its
+exception; later rounds are skipped. No grpc or protobuf here.
 """
 
 from __future__ import annotations
@@ -12,15 +12,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
-from services.worker.model_runner import ModelRunner
-from services.worker.step_output import SampledStep
+from services.worker.step_output import StepResult
 from shared.errors import UnavailableError
 from shared.execute import ExecuteRound, StepOutput
 
 logger = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    """What the pipeline drives: `ModelRunner` (generative) or `PoolingRunner` (prefill-only)."""
+
+    def reset(self) -> None: ...
+
+    def execute_round(self, round_: ExecuteRound, on_step: Callable[[StepResult], None]) -> None: ...
 
 
 class RoundFailedError(Exception):
@@ -35,7 +43,7 @@ class RoundFailedError(Exception):
 class RoundPipeline:
     """Serialises Execute streams onto the worker's compute thread (one stream at a time)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: Runner) -> None:
         self.runner = runner
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spindle-compute")
         self._active = False
@@ -49,10 +57,10 @@ class RoundPipeline:
             raise UnavailableError("another Execute stream is active on this worker")
         self._active = True
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[SampledStep | BaseException | None] = asyncio.Queue()
+        queue: asyncio.Queue[StepResult | BaseException | None] = asyncio.Queue()
         failed = threading.Event()
 
-        def on_step(step: SampledStep) -> None:
+        def on_step(step: StepResult) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, step)
 
         def execute(round_: ExecuteRound) -> None:

@@ -1,4 +1,4 @@
-"""`SampledStep`: one step's sampled tokens on their way to the host, and their conversion.
+"""`SampledStep` / `PooledStep`: one step's results on their way to the host, and their conversion.
 
 On CUDA the device -> host copy runs on a side stream into pinned memory and is awaited only
 after the next step has been launched. `to_step_output` (the .tolist() work) is meant to run
@@ -7,7 +7,7 @@ on the asyncio side, off the compute thread.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -60,6 +60,30 @@ class SampledStep:
             out.top_token_ids = self.top_token_ids.numpy()[keep].tolist()
             out.top_logprobs = self.top_logprobs.numpy()[keep].tolist()
         return out
+
+
+@dataclass(slots=True)
+class PooledStep:
+    """A pooling round's step: one host vector per pooling request (step 0), or nothing."""
+
+    round_id: int
+    step_index: int
+    is_last_step: bool
+    request_ids: list[str] = field(default_factory=list)  # pooling requests, in batch order
+    values: torch.Tensor | None = None  # [num_reqs, pooled_size] float32, host
+
+    def wait(self) -> None:
+        """No-op: the runner copies pooled values to the host before handing the step on."""
+
+    def to_step_output(self) -> StepOutput:
+        out = StepOutput(round_id=self.round_id, step_index=self.step_index, is_last_step=self.is_last_step)
+        if self.values is not None:
+            out.pooled = dict(zip(self.request_ids, self.values.tolist(), strict=True))
+        return out
+
+
+# What a runner hands to `on_step`.
+StepResult = SampledStep | PooledStep
 
 
 class HostCopier:

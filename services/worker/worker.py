@@ -1,7 +1,10 @@
-"""`Worker`: loads the model, sizes and allocates the KV cache, and owns the model runner.
+"""`Worker`: loads the model, sizes and allocates the KV cache, and owns the runner.
 
 Everything here happens once at startup; the per-round work is the runner's. Device, dtype and
-backend choices are resolved here from `WorkerConfig` and reported in `WorkerInfo`.
+backend choices are resolved here from `WorkerConfig` and reported in `WorkerInfo`. The model
+class's task picks the runner: `ModelRunner` with a paged KV cache for decoders,
+`PoolingRunner` with no KV cache (block_size 0, num_kv_blocks 0) for embedding and
+cross-encoder models.
 """
 
 from __future__ import annotations
@@ -16,8 +19,12 @@ from services.worker.attention import AttentionBackend, create_backend, resolve_
 from services.worker.config import WorkerConfig
 from services.worker.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for_budget
 from services.worker.model_runner import ModelRunner
+from services.worker.models import resolve_model
+from services.worker.models.bert import EncoderModel
 from services.worker.models.config import DecoderConfig
 from services.worker.models.loader import load_model, parse_config, read_hf_config
+from services.worker.pooling import load_pooling_config
+from services.worker.pooling_runner import PoolingRunner
 from shared.execute import ExecuteRound, NewRequestData, WorkerInfo
 from shared.sampling import SamplingOptions
 from shared.types import RequestKind
@@ -58,45 +65,83 @@ class Worker:
                 )
             backend_name = "sdpa"  # flash-attn has no float32 kernels
         self.backend = create_backend(backend_name, config.block_size)
+        self.backend_name = backend_name
         self.model_config = parse_config(read_hf_config(config.model))
-        self.max_model_len = self._max_model_len(self.model_config)
+        self.task = resolve_model(self.model_config.architecture)[0].task
+        self.model_id = Path(os.path.abspath(config.model)).name
+        self.runner: ModelRunner | PoolingRunner
+        if self.task is RequestKind.GENERATE:
+            assert isinstance(self.model_config, DecoderConfig)
+            self.info = self._init_generative(self.model_config)
+        else:
+            self.info = self._init_pooling()
+        logger.info(
+            "worker ready: model=%s task=%s dtype=%s device=%s backend=%s num_kv_blocks=%d (%d tokens) "
+            "max_model_len=%d",
+            self.info.model_id,
+            self.task.name,
+            self.info.dtype,
+            self.info.device,
+            backend_name,
+            self.info.num_kv_blocks,
+            self.info.num_kv_blocks * self.info.block_size,
+            self.max_model_len,
+        )
+
+    def _info(
+        self, block_size: int, num_kv_blocks: int, eos_token_ids: tuple[int, ...], pooled_size: int = 0
+    ) -> WorkerInfo:
+        return WorkerInfo(
+            model_id=self.model_id,
+            task=self.task,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            attention_backend=self.backend_name,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            eos_token_ids=eos_token_ids,
+            pooled_size=pooled_size,
+        )
+
+    def _init_generative(self, model_config: DecoderConfig) -> WorkerInfo:
+        config = self.config
+        self.decoder_config = model_config
+        self.max_model_len = self._max_model_len(model_config.max_position_embeddings)
         self.model = load_model(config.model, self.backend, self.dtype, self.device)
         if self.device.type == "cuda":
             num_blocks = self._profile_num_blocks()
         else:
-            num_blocks = num_blocks_for_budget(
-                self.model_config, config.block_size, self.dtype, config.kv_cache_bytes
-            )
+            num_blocks = num_blocks_for_budget(model_config, config.block_size, self.dtype, config.kv_cache_bytes)
         self.runner = self._make_runner(
-            allocate_kv_caches(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
+            allocate_kv_caches(model_config, num_blocks, config.block_size, self.dtype, self.device)
         )
-        self.info = WorkerInfo(
-            model_id=Path(os.path.abspath(config.model)).name,
-            task=RequestKind.GENERATE,
-            vocab_size=self.model_config.vocab_size,
-            max_model_len=self.max_model_len,
+        return self._info(
             block_size=config.block_size,
             num_kv_blocks=num_blocks,
-            eos_token_ids=self.model_config.eos_token_ids,
-            attention_backend=backend_name,
-            dtype=str(self.dtype).removeprefix("torch."),
-            device=str(self.device),
-        )
-        logger.info(
-            "worker ready: model=%s dtype=%s device=%s backend=%s num_kv_blocks=%d (%d tokens) max_model_len=%d",
-            self.info.model_id,
-            self.info.dtype,
-            self.info.device,
-            backend_name,
-            num_blocks,
-            num_blocks * config.block_size,
-            self.max_model_len,
+            eos_token_ids=model_config.eos_token_ids,
         )
 
-    def _max_model_len(self, model_config: DecoderConfig) -> int:
-        limit = model_config.max_position_embeddings
+    def _init_pooling(self) -> WorkerInfo:
+        """Embedding / cross-encoder model: no KV cache, no EOS; max_model_len honours ST's cap."""
+        pooling = load_pooling_config(self.config.model, self.task)
+        self.max_model_len = self._max_model_len(
+            self.model_config.max_position_embeddings, pooling.max_seq_length
+        )
+        model = load_model(self.config.model, self.backend, self.dtype, self.device)
+        assert isinstance(model, EncoderModel)
+        self.model = model
+        self.runner = PoolingRunner(
+            model, self.backend, pooling, max_model_len=self.max_model_len, device=self.device
+        )
+        logger.info("pooling: %s; outputs of size %d", pooling.method.value, model.pooled_size)
+        return self._info(block_size=0, num_kv_blocks=0, eos_token_ids=(), pooled_size=model.pooled_size)
+
+    def _max_model_len(self, limit: int, default: int | None = None) -> int:
+        """--max-model-len when given (up to the position table), else `default` capped by the table."""
         if self.config.max_model_len is None:
-            return limit
+            return min(limit, default or limit)
         if self.config.max_model_len > limit:
             raise ValueError(
                 f"max_model_len={self.config.max_model_len} exceeds the model's {limit} positions"
@@ -112,8 +157,8 @@ class Worker:
             kv_caches,
             max_model_len=self.max_model_len,
             block_size=self.config.block_size,
-            vocab_size=self.model_config.vocab_size,
-            eos_token_ids=self.model_config.eos_token_ids,
+            vocab_size=self.decoder_config.vocab_size,
+            eos_token_ids=self.decoder_config.eos_token_ids,
             device=self.device,
         )
 
@@ -131,7 +176,7 @@ class Worker:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         runner = self._make_runner(
-            allocate_kv_caches(self.model_config, num_blocks, bs, self.dtype, self.device)
+            allocate_kv_caches(self.decoder_config, num_blocks, bs, self.dtype, self.device)
         )
         sampling = SamplingOptions(temperature=1.0, top_k=50, top_p=0.9)
         profile = ExecuteRound(
@@ -151,7 +196,7 @@ class Worker:
         )
         runner.execute_round(profile, lambda step: step.wait())
         torch.cuda.synchronize(self.device)
-        block_bytes = bytes_per_block(self.model_config, bs, self.dtype)
+        block_bytes = bytes_per_block(self.decoder_config, bs, self.dtype)
         peak = torch.cuda.max_memory_allocated(self.device) - num_blocks * block_bytes
         del runner
         torch.cuda.empty_cache()
@@ -164,4 +209,4 @@ class Worker:
             total / 2**30,
             budget / 2**30,
         )
-        return num_blocks_for_budget(self.model_config, bs, self.dtype, budget)
+        return num_blocks_for_budget(self.decoder_config, bs, self.dtype, budget)

@@ -77,9 +77,9 @@ def test_tied_word_embeddings_load_from_embed_tokens(tmp_path: Path) -> None:
 
 def test_unsupported_architecture_is_a_clear_error(llama_dir: Path) -> None:
     hf = read_hf_config(llama_dir) | {"architectures": ["GPT2LMHeadModel"]}
-    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'; supported: Llama"):
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'; supported: Bert"):
         parse_config(hf)
-    assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+    assert {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"} < set(MODEL_REGISTRY)
 
 
 @pytest.mark.parametrize(

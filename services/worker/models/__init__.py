@@ -1,7 +1,9 @@
 """Model registry: HF architecture name -> spindle model class and config parser (lazy imports).
 
 Every decoder family shares `DecoderForCausalLM`; the entry's parser turns the family's HF
-config into the flags that make the difference (qkv bias, sliding window).
+config into the flags that make the difference (qkv bias, sliding window). BERT-family
+encoders share `EncoderModel` (embeddings) and `EncoderForSequenceClassification` (scores).
+The model class's `task` decides what the worker serves.
 """
 
 from __future__ import annotations
@@ -24,6 +26,38 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
         "services.worker.models.decoder:DecoderForCausalLM",
         "services.worker.models.config:qwen2_config",
     ),
+    "BertModel": (
+        "services.worker.models.bert:EncoderModel",
+        "services.worker.models.encoder_config:bert_config",
+    ),
+    "BertForSequenceClassification": (
+        "services.worker.models.bert:EncoderForSequenceClassification",
+        "services.worker.models.encoder_config:bert_config",
+    ),
+    "RobertaModel": (
+        "services.worker.models.bert:EncoderModel",
+        "services.worker.models.encoder_config:roberta_config",
+    ),
+    "RobertaForSequenceClassification": (
+        "services.worker.models.bert:EncoderForSequenceClassification",
+        "services.worker.models.encoder_config:roberta_config",
+    ),
+    "XLMRobertaModel": (
+        "services.worker.models.bert:EncoderModel",
+        "services.worker.models.encoder_config:roberta_config",
+    ),
+    "XLMRobertaForSequenceClassification": (
+        "services.worker.models.bert:EncoderForSequenceClassification",
+        "services.worker.models.encoder_config:roberta_config",
+    ),
+}
+
+# A sentence-transformers directory runs the bare encoder whatever head config.json names.
+SENTENCE_TRANSFORMERS_BASES: dict[str, str] = {
+    "BertForMaskedLM": "BertModel",
+    "BertForPreTraining": "BertModel",
+    "RobertaForMaskedLM": "RobertaModel",
+    "XLMRobertaForMaskedLM": "XLMRobertaModel",
 }
 
 

@@ -6,6 +6,7 @@ the paged KV cache. q/k/v and gate/up projections are fused into one matmul each
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -13,8 +14,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.attention import AttentionBackend, LayerAttentionSpec
+from services.worker.models.base import SpindleModel, WeightTarget
 from services.worker.models.config import DecoderConfig
 from services.worker.models.rope import RotaryEmbedding
+from shared.types import RequestKind
+
+# HF module inside model.layers.N -> (spindle fused module, index of the shard inside it)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
 class RMSNorm(nn.Module):
@@ -86,8 +99,10 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DecoderForCausalLM(nn.Module):
+class DecoderForCausalLM(SpindleModel):
     """Llama-style decoder: embed, N pre-norm layers, final norm, LM head on sampled rows only."""
+
+    task = RequestKind.GENERATE
 
     def __init__(self, config: DecoderConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -104,6 +119,26 @@ class DecoderForCausalLM(nn.Module):
         """Share the embedding with the LM head when the checkpoint ties them (again after to_empty)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def post_init(self) -> None:
+        self.rope.init_tables()  # float32, as HF computes them
+        self.tie_weights()  # to_empty gives every module its own new parameters
+
+    def map_weight(self, hf_name: str) -> WeightTarget | None:
+        """HF names -> spindle names; q/k/v and gate/up land in row ranges of fused parameters."""
+        if "rotary_emb" in hf_name:
+            return None
+        match = _LAYER.match(hf_name)
+        if match is None:
+            return hf_name.removeprefix("model."), None
+        layer, module, kind = match.groups()
+        if module not in _FUSED:
+            return f"layers.{layer}.{module}.{kind}", None
+        fused, shard = _FUSED[module]
+        c = self.config
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        starts = (0, q, q + kv) if fused.endswith("qkv_proj") else (0, c.intermediate_size)
+        return f"layers.{layer}.{fused}.{kind}", starts[shard]
 
     def forward(
         self,
