@@ -82,7 +82,8 @@ class PoolingRunner:
         """Pool every request of the round in step 0; later steps (if any) are empty."""
         if round_.new_requests or round_.cached_requests.request_ids:
             raise InvalidArgumentError(
-                f"this worker serves a {self.task.name.lower()} model; it cannot run generate requests"
+                f"this worker serves {self.task.name} requests (a prefill-only model); "
+                "it cannot run generate requests"
             )
         num_steps = max(round_.num_steps, 1)
         step = PooledStep(round_.round_id, 0, num_steps == 1)

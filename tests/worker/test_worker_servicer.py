@@ -17,11 +17,12 @@ from services.worker.config import WorkerConfig
 from services.worker.round_pipeline import RoundPipeline
 from services.worker.servicer import WorkerServicer
 from services.worker.worker import Worker
-from shared.execute import CachedRequestData, ExecuteRound, NewRequestData
+from shared.execute import CachedRequestData, ExecuteRound, NewRequestData, PoolingRequestData
 from shared.execute_wire import round_to_proto, step_from_proto, worker_info_from_proto
 from shared.grpc_server import start_grpc
 from shared.pb.spindle.v1 import worker_pb2, worker_pb2_grpc
 from shared.sampling import SamplingOptions
+from shared.types import RequestKind
 
 PROMPT = [0, 17, 99, 250, 311, 45, 46, 47]
 
@@ -53,6 +54,7 @@ async def test_worker_info_reports_model_and_kv_capacity(stub: worker_pb2_grpc.W
     info = worker_info_from_proto(await stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest()))
     # 4 MiB / (2 layers * 2 (K, V) * 16 tokens * 2 heads * 16 dims * 4 bytes) = 512 blocks
     assert (info.model_id, info.num_kv_blocks, info.block_size) == ("llama", 512, 16)
+    assert (info.task, info.pooled_size) == (RequestKind.GENERATE, 0)
     assert (info.vocab_size, info.max_model_len, info.eos_token_ids) == (512, 1024, (1,))
     assert (info.attention_backend, info.dtype, info.device) == ("sdpa", "float32", "cpu")
 
@@ -113,6 +115,15 @@ async def test_malformed_round_aborts_stream_with_clear_status(
     # The next stream starts from clean state and works.
     steps = [m async for m in stub.Execute(_requests(rounds[:1]))]
     assert len(steps) == 1 and list(steps[0].request_ids) == ["a"]
+
+
+async def test_generative_worker_rejects_pooling_rounds(stub: worker_pb2_grpc.WorkerServiceStub) -> None:
+    rounds = [ExecuteRound(round_id=0, pooling_requests=[PoolingRequestData("e", RequestKind.EMBED, PROMPT)])]
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in stub.Execute(_requests(rounds)):
+            pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cannot run pooling requests" in err.value.details()
 
 
 def test_flags_default_from_spindle_env(monkeypatch: pytest.MonkeyPatch) -> None:

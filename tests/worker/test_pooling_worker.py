@@ -1,0 +1,159 @@
+"""Prefill-only workers: task detection and WorkerInfo, round validation, and pooled outputs over gRPC."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.worker.__main__ import SERVICE_NAME
+from services.worker.config import WorkerConfig
+from services.worker.round_pipeline import RoundPipeline
+from services.worker.servicer import WorkerServicer
+from services.worker.step_output import PooledStep
+from services.worker.worker import Worker
+from shared.errors import InvalidArgumentError
+from shared.execute import ExecuteRound, NewRequestData, PoolingRequestData, StepOutput
+from shared.execute_wire import round_to_proto, step_from_proto, worker_info_from_proto
+from shared.grpc_server import start_grpc
+from shared.pb.spindle.v1 import worker_pb2, worker_pb2_grpc
+from shared.sampling import SamplingOptions
+from shared.types import RequestKind
+
+CLS, SEP = 101, 102  # MiniLM's [CLS] / [SEP]
+
+
+def _embed(request_id: str, n: int) -> PoolingRequestData:
+    return PoolingRequestData(request_id, RequestKind.EMBED, [CLS] + [2000 + i for i in range(n - 2)] + [SEP])
+
+
+@pytest.fixture(scope="module")
+def minilm_worker(minilm_dir: Path) -> Worker:
+    return Worker(WorkerConfig(model=str(minilm_dir), num_threads=2))
+
+
+def _run(worker: Worker, round_: ExecuteRound) -> list[StepOutput]:
+    steps: list[PooledStep] = []
+    worker.runner.execute_round(round_, steps.append)
+    return [s.to_step_output() for s in steps]
+
+
+def test_embedding_model_info_follows_sentence_transformers_config(minilm_worker: Worker) -> None:
+    info = minilm_worker.info
+    assert (info.task, info.pooled_size, info.vocab_size) == (RequestKind.EMBED, 384, 30522)
+    assert info.max_model_len == 256  # sentence_bert_config.json max_seq_length (positions: 512)
+    assert (info.block_size, info.num_kv_blocks, info.eos_token_ids) == (0, 0, ())
+
+
+def test_cross_encoder_info_and_max_model_len_flag(cross_encoder_dir: Path, minilm_dir: Path) -> None:
+    info = Worker(WorkerConfig(model=str(cross_encoder_dir), num_threads=2)).info
+    assert (info.task, info.pooled_size, info.vocab_size, info.max_model_len) == (RequestKind.SCORE, 1, 1024, 512)
+    assert Worker(WorkerConfig(model=str(minilm_dir), max_model_len=400)).info.max_model_len == 400  # flag wins
+    with pytest.raises(ValueError, match="max_model_len=600 exceeds the model's 512 positions"):
+        Worker(WorkerConfig(model=str(minilm_dir), max_model_len=600))
+
+
+def test_sentence_transformers_dir_with_an_mlm_head_serves_embeddings(tmp_path: Path, minilm_dir: Path) -> None:
+    for item in minilm_dir.iterdir():
+        if item.name != "config.json":
+            (tmp_path / item.name).symlink_to(item)
+    config = json.loads((minilm_dir / "config.json").read_text()) | {"architectures": ["BertForMaskedLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert Worker(WorkerConfig(model=str(tmp_path))).info.task is RequestKind.EMBED
+    (tmp_path / "modules.json").unlink()  # without sentence-transformers files: an unsupported head
+    with pytest.raises(ValueError, match="unsupported architecture 'BertForMaskedLM'"):
+        Worker(WorkerConfig(model=str(tmp_path)))
+
+
+def test_multi_step_and_empty_rounds_keep_the_step_protocol(minilm_worker: Worker) -> None:
+    steps = _run(minilm_worker, ExecuteRound(7, num_steps=3, pooling_requests=[_embed("a", 5), _embed("b", 3)]))
+    assert [(s.round_id, s.step_index, s.is_last_step) for s in steps] == [(7, 0, False), (7, 1, False), (7, 2, True)]
+    assert list(steps[0].pooled) == ["a", "b"] and len(steps[0].pooled["a"]) == 384
+    assert not steps[1].pooled and not steps[2].pooled
+    empty = _run(minilm_worker, ExecuteRound(8, finished_request_ids=["a", "b"]))
+    assert [(s.step_index, s.is_last_step, s.pooled) for s in empty] == [(0, True, {})]
+
+
+def test_same_input_pools_the_same_alone_or_in_a_batch(minilm_worker: Worker) -> None:
+    alone = _run(minilm_worker, ExecuteRound(0, pooling_requests=[_embed("x", 9)]))[0].pooled["x"]
+    batch = [_embed("a", 30), _embed("x", 9), _embed("b", 2)]
+    together = _run(minilm_worker, ExecuteRound(1, pooling_requests=batch))[0].pooled["x"]
+    assert together == pytest.approx(alone, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (PoolingRequestData("s", RequestKind.SCORE, [CLS, SEP]), "request 's' is SCORE; this worker serves EMBED"),
+        (PoolingRequestData("e", RequestKind.EMBED, []), "has 0 tokens; must be 1..256"),
+        (_embed("long", 257), "has 257 tokens; must be 1..256"),
+        (PoolingRequestData("v", RequestKind.EMBED, [CLS, 30522, SEP]), "token id is outside \\[0, 30522\\)"),
+        (PoolingRequestData("t", RequestKind.EMBED, [CLS, SEP], [0, 2]), "token type id is outside \\[0, 2\\)"),
+        (PoolingRequestData("n", RequestKind.EMBED, [CLS, SEP], [0]), "1 token_type_ids for 2 tokens"),
+    ],
+)
+def test_bad_pooling_requests_are_invalid_arguments(
+    minilm_worker: Worker, request_: PoolingRequestData, message: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        _run(minilm_worker, ExecuteRound(0, pooling_requests=[_embed("ok", 4), request_]))
+
+
+def test_pooling_worker_rejects_generate_requests_and_duplicates(minilm_worker: Worker) -> None:
+    generate = NewRequestData("g", [CLS, SEP], 2, 0, [0], SamplingOptions())
+    with pytest.raises(InvalidArgumentError, match=r"serves EMBED requests \(a prefill-only model\); it cannot"):
+        _run(minilm_worker, ExecuteRound(0, new_requests=[generate], num_scheduled_tokens=[2]))
+    with pytest.raises(InvalidArgumentError, match="lists a pooling request twice"):
+        _run(minilm_worker, ExecuteRound(0, pooling_requests=[_embed("d", 3), _embed("d", 4)]))
+
+
+@pytest.fixture
+async def pooling_stub(minilm_worker: Worker) -> AsyncIterator[worker_pb2_grpc.WorkerServiceStub]:
+    servicer = WorkerServicer()
+    service = await start_grpc(
+        "127.0.0.1:0",
+        lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+    )
+    pipeline = RoundPipeline(minilm_worker.runner)
+    servicer.attach(minilm_worker.info, pipeline)
+    await service.set_serving([SERVICE_NAME])
+    async with grpc.aio.insecure_channel(service.address) as channel:
+        yield worker_pb2_grpc.WorkerServiceStub(channel)
+    await service.server.stop(0)
+    pipeline.close()
+
+
+async def _requests(rounds: list[ExecuteRound]) -> AsyncIterator[worker_pb2.ExecuteRequest]:
+    for round_ in rounds:
+        yield round_to_proto(round_)
+
+
+async def test_servicer_streams_pooled_outputs(
+    pooling_stub: worker_pb2_grpc.WorkerServiceStub, minilm_worker: Worker
+) -> None:
+    info = worker_info_from_proto(await pooling_stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest()))
+    assert info == minilm_worker.info
+    rounds = [
+        ExecuteRound(0, pooling_requests=[_embed("a", 6), _embed("b", 12)]),
+        ExecuteRound(1, pooling_requests=[_embed("c", 3)], finished_request_ids=["a", "b"]),
+    ]
+    steps = [step_from_proto(m) async for m in pooling_stub.Execute(_requests(rounds))]
+    assert [(s.round_id, s.is_last_step, list(s.pooled)) for s in steps] == [(0, True, ["a", "b"]), (1, True, ["c"])]
+    direct = _run(minilm_worker, rounds[0])[0].pooled
+    assert steps[0].pooled["b"] == pytest.approx(direct["b"], abs=1e-6)  # float32 on the wire
+
+
+async def test_servicer_rejects_generate_rounds_on_a_pooling_worker(
+    pooling_stub: worker_pb2_grpc.WorkerServiceStub,
+) -> None:
+    generate = NewRequestData("g", [CLS, SEP], 2, 0, [0], SamplingOptions())
+    rounds = [ExecuteRound(0, new_requests=[generate], num_scheduled_tokens=[2])]
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in pooling_stub.Execute(_requests(rounds)):
+            pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cannot run generate requests" in err.value.details()
