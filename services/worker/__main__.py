@@ -90,7 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-model-len",
         type=_optional_int,
         default=_optional_int(_env("MAX_MODEL_LEN", "")),
-        help="longest sequence (default: the model's max_position_embeddings) [SPINDLE_MAX_MODEL_LEN]",
+        help="longest sequence (default: the model's max_position_embeddings, or a sentence-transformers "
+        "model's max_seq_length) [SPINDLE_MAX_MODEL_LEN]",
     )
     parser.add_argument(
         "--num-threads",

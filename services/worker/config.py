@@ -22,12 +22,13 @@ class WorkerConfig:
         device: auto (cuda when available), cpu or cuda.
         dtype: auto (float32 on CPU, bfloat16 on CUDA) or an explicit torch dtype name.
         attention_backend: auto, sdpa, naive or flash-attn.
-        block_size: tokens per KV-cache block.
+        block_size: tokens per KV-cache block (decoders; prefill-only models have no KV cache).
         kv_cache_bytes: KV-cache budget on CPU (on CUDA it is measured instead).
         gpu_memory_fraction: share of GPU memory the worker may use (weights, activations, KV cache).
         max_num_seqs: most requests in one forward pass (sizes the CUDA profiling run).
         max_num_batched_tokens: most tokens in one forward pass (sizes the CUDA profiling run).
-        max_model_len: longest sequence; None = the model's max_position_embeddings.
+        max_model_len: longest sequence; None = the model's max_position_embeddings, capped for
+            sentence-transformers models by sentence_bert_config.json's max_seq_length.
         num_threads: torch CPU threads; None keeps torch's default.
     """
 

@@ -1,7 +1,9 @@
 """`PoolingRunner`: executes rounds of prefill-only requests (embeddings, cross-encoder scores).
 
-A round's `pooling_requests` run as ONE packed forward pass: tokens back to back with no
-padding ([num_tokens, hidden] through every linear layer), bidirectional attention per sequence
+Rule (vLLM V2): this hot path is shared by all prefill-only models; feature logic lives
+elsewhere (models/, attention/, pooling.py) and is called from here. A round's
+`pooling_requests` run as ONE packed forward pass: tokens back to back with no padding
+([num_tokens, hidden] through every linear layer), bidirectional attention per sequence
 through the configured backend, then pooling, the model's head and optional L2 normalisation.
 No KV cache and no per-request state: every request is complete within its round. Inputs are
 built with numpy and reach the device in one copy. It never touches grpc or protobuf.
@@ -92,6 +94,7 @@ class PoolingRunner:
             with torch.inference_mode():
                 step.values = self._run(round_.pooling_requests).cpu()
             step.request_ids = [r.request_id for r in round_.pooling_requests]
+            logger.debug("round %d: pooled %d requests", round_.round_id, len(step.request_ids))
         on_step(step)
         for index in range(1, num_steps):
             on_step(PooledStep(round_.round_id, index, index == num_steps - 1))

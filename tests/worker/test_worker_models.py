@@ -111,3 +111,28 @@ def test_sliding_window_per_layer_follows_hf_rules(tiny_models: dict[str, Path])
     qwen_on = {k: v for k, v in qwen.items() if k != "layer_types"}
     qwen_on |= {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}
     assert qwen2_config(qwen_on).sliding_windows == (None, 8)
+
+
+def test_cross_encoder_config_over_a_bare_encoder_checkpoint_lacks_its_classifier(
+    tmp_path: Path, minilm_dir: Path
+) -> None:
+    """MiniLM has a pooler (-> classifier.dense) but no classifier: loading must fail, not randomise."""
+    (tmp_path / "model.safetensors").symlink_to(minilm_dir / "model.safetensors")
+    hf = read_hf_config(minilm_dir) | {"architectures": ["BertForSequenceClassification"]}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    missing = r"lacks weights for \['classifier.out_proj.bias', 'classifier.out_proj.weight'\]"
+    with pytest.raises(ValueError, match=missing):
+        load_model(tmp_path, create_backend("sdpa", 16), torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"position_embedding_type": "relative_key"}, "unsupported position_embedding_type='relative_key'"),
+        ({"hidden_act": "gelu_new"}, "unsupported hidden_act='gelu_new'"),
+        ({"is_decoder": True}, "only bidirectional encoders"),
+    ],
+)
+def test_unsupported_encoder_configs_are_rejected(minilm_dir: Path, override: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_config(read_hf_config(minilm_dir) | override)
