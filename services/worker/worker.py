@@ -49,7 +49,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class Worker:
-    """A loaded model with its KV cache, ready to execute rounds."""
+    """A loaded model (with its KV cache for decoders), ready to execute rounds."""
 
     def __init__(self, config: WorkerConfig) -> None:
         if config.num_threads is not None:
