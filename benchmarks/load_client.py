@@ -2,7 +2,8 @@
 
 Sends a workload at a fixed concurrency (a semaphore) and/or a request rate (Poisson arrivals),
 and records TTFT, the gap between output chunks (ITL) and end-to-end latency per request. It
-knows nothing about spindle: vLLM, llama.cpp and spindle are driven the same way.
+knows nothing about spindle: vLLM, llama.cpp and spindle are driven the same way. `run_load`
+takes another sender for other endpoints (benchmarks/embed_bench.py sends /v1/embeddings).
 
     python -m benchmarks.load_client --base-url http://127.0.0.1:8000 --model NAME \
         --workload random --num-requests 128 --input-len 128 --output-len 128 --concurrency 64 --out r.json
@@ -17,9 +18,10 @@ import logging
 import math
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 import aiohttp
 import numpy as np
@@ -68,10 +70,14 @@ class LoadConfig:
         if not self.request_rate > 0:
             raise ValueError(f"request_rate={self.request_rate} must be positive")
 
+    def url(self, endpoint: str) -> str:
+        """The URL of an OpenAI endpoint such as "completions" or "embeddings"."""
+        root = self.base_url.rstrip("/")
+        return f"{root}/{endpoint}" if root.endswith("/v1") else f"{root}/v1/{endpoint}"
+
     @property
     def completions_url(self) -> str:
-        root = self.base_url.rstrip("/")
-        return f"{root}/completions" if root.endswith("/v1") else f"{root}/v1/completions"
+        return self.url("completions")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +97,19 @@ def _chunk_has_output(chunk: dict[str, object]) -> bool:
     return bool(first.get("text") or first.get("token_ids"))
 
 
+def _cached_tokens(usage: dict[str, object]) -> int:
+    """usage.prompt_tokens_details.cached_tokens (prefix-cache hits), 0 where a server omits it."""
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return int(cached) if isinstance(cached, int) else 0
+
+
 async def send_request(session: aiohttp.ClientSession, config: LoadConfig, request: BenchRequest) -> RequestResult:
     """Send one streamed completion and time every output chunk; never raises for server faults."""
     result = RequestResult(prompt_len=request.prompt_len, expected_output_tokens=request.max_tokens)
     num_output_chunks = 0
     usage_tokens: int | None = None
+    cached_tokens = 0
     start = last = time.perf_counter()
     try:
         async with session.post(config.completions_url, json=completion_payload(request, config.model)) as resp:
@@ -126,8 +140,10 @@ async def send_request(session: aiohttp.ClientSession, config: LoadConfig, reque
                 usage = chunk.get("usage")
                 if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
                     usage_tokens = int(usage["completion_tokens"])
+                    cached_tokens = _cached_tokens(usage)
         result.e2e_s = time.perf_counter() - start
         result.output_tokens = usage_tokens if usage_tokens is not None else num_output_chunks
+        result.cached_prompt_tokens = cached_tokens
         if num_output_chunks == 0:
             result.error = "stream ended without any output chunk"
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:  # ValueError covers bad JSON
@@ -144,8 +160,17 @@ async def _arrivals(config: LoadConfig, n: int) -> AsyncIterator[int]:
             await asyncio.sleep(float(rng.exponential(1.0 / config.request_rate)))
 
 
-async def run_load(config: LoadConfig, requests: Sequence[BenchRequest]) -> LoadRun:
-    """Send every request under the concurrency/rate limits and summarise; results keep workload order."""
+RequestT = TypeVar("RequestT")
+# Sends one request and measures it; must not raise for server faults (record them in `error`).
+Sender = Callable[[aiohttp.ClientSession, LoadConfig, RequestT], Awaitable[RequestResult]]
+
+
+async def run_load(config: LoadConfig, requests: Sequence[RequestT],
+                   send: Sender[RequestT] = send_request) -> LoadRun:  # type: ignore[assignment]
+    """Send every request under the concurrency/rate limits and summarise; results keep workload order.
+
+    `send` defaults to a streamed completion per BenchRequest; pass another for other endpoints.
+    """
     if not requests:
         raise ValueError("requests is empty")
     semaphore = asyncio.Semaphore(config.concurrency) if config.concurrency else None
@@ -153,12 +178,12 @@ async def run_load(config: LoadConfig, requests: Sequence[BenchRequest]) -> Load
     timeout = aiohttp.ClientTimeout(total=config.timeout_s)
     progress = tqdm(total=len(requests), disable=not config.show_progress, desc="requests", leave=False)
 
-    async def one(session: aiohttp.ClientSession, request: BenchRequest) -> RequestResult:
+    async def one(session: aiohttp.ClientSession, request: RequestT) -> RequestResult:
         if semaphore is None:
-            result = await send_request(session, config, request)
+            result = await send(session, config, request)
         else:
             async with semaphore:
-                result = await send_request(session, config, request)
+                result = await send(session, config, request)
         progress.update(1)
         return result
 
@@ -173,15 +198,15 @@ async def run_load(config: LoadConfig, requests: Sequence[BenchRequest]) -> Load
     return LoadRun(results, summarize(results, duration))
 
 
-async def run_with_warmup(config: LoadConfig, requests: Sequence[BenchRequest],
-                          warmup: Sequence[BenchRequest] = ()) -> LoadRun:
+async def run_with_warmup(config: LoadConfig, requests: Sequence[RequestT], warmup: Sequence[RequestT] = (),
+                          send: Sender[RequestT] = send_request) -> LoadRun:  # type: ignore[assignment]
     """Send `warmup` untimed (same concurrency, no bar), then time `requests`."""
     if warmup:
-        warm = await run_load(replace(config, request_rate=math.inf, show_progress=False), warmup)
+        warm = await run_load(replace(config, request_rate=math.inf, show_progress=False), warmup, send)
         if warm.summary.num_failed:
             logger.warning("%d of %d warmup requests failed: %s", warm.summary.num_failed, len(warmup),
                            warm.summary.errors)
-    return await run_load(config, requests)
+    return await run_load(config, requests, send)
 
 
 def format_summary(summary: LoadSummary) -> str:

@@ -27,6 +27,8 @@ class RequestResult:
         itls_s: gaps between consecutive output chunks (one per chunk after the first).
         e2e_s: end of stream minus send time.
         error: why the request failed; None on success.
+        cached_prompt_tokens: prompt tokens the server served from its prefix cache
+            (usage.prompt_tokens_details.cached_tokens; 0 if it does not say).
     """
 
     prompt_len: int
@@ -36,6 +38,7 @@ class RequestResult:
     itls_s: list[float] = field(default_factory=list)
     e2e_s: float = 0.0
     error: str | None = None
+    cached_prompt_tokens: int = 0
 
     @property
     def is_success(self) -> bool:
@@ -83,6 +86,7 @@ class LoadSummary:
     itl: LatencyStats
     e2e: LatencyStats
     errors: tuple[str, ...] = ()
+    total_cached_prompt_tokens: int = 0
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -112,4 +116,5 @@ def summarize(results: Sequence[RequestResult], duration_s: float) -> LoadSummar
         itl=LatencyStats.of([gap for r in ok for gap in r.itls_s]),
         e2e=LatencyStats.of([r.e2e_s for r in ok]),
         errors=errors,
+        total_cached_prompt_tokens=sum(r.cached_prompt_tokens for r in ok),
     )

@@ -55,7 +55,8 @@ def ratio(row: BenchRow, rows: Sequence[BenchRow], reference: str) -> float | No
     return row.summary.output_throughput / ref
 
 
-def _ms(value: float) -> str:
+def format_ms(value: float) -> str:
+    """Milliseconds for a table cell: seconds above 1 s, two decimals below 1 ms."""
     return f"{value / 1000:.2f} s" if value >= 1000 else f"{value:.1f} ms" if value >= 1 else f"{value:.2f} ms"
 
 
@@ -82,7 +83,8 @@ def format_table(rows: Sequence[BenchRow]) -> str:
             if s.num_length_mismatches:
                 notes.append(f"{s.num_length_mismatches} wrong length")
             cells = [row.model, row.config, str(row.concurrency), str(row.num_requests),
-                     f"{s.output_throughput:,.1f}", _ms(s.ttft.p50_ms), _ms(s.itl.p50_ms), _ms(s.itl.p99_ms),
+                     f"{s.output_throughput:,.1f}", format_ms(s.ttft.p50_ms), format_ms(s.itl.p50_ms),
+                     format_ms(s.itl.p99_ms),
                      _ratio_cell(ratio(row, rows, LIMIT)), _ratio_cell(ratio(row, rows, GENERATE)),
                      "; ".join(notes)]
         lines.append("| " + " | ".join(cells) + " |")

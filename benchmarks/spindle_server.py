@@ -3,7 +3,8 @@
 Reuses the e2e harness's port picking, handle and health wait (tests/e2e/server.py). It differs
 from `spindle_serve` there in two ways a benchmark needs: the services get all cores
 (`OMP_NUM_THREADS`) instead of the one the tests pin, and their output goes to a log file kept
-next to the results rather than a pipe nobody reads.
+next to the results rather than a pipe nobody reads. `extra_env` reaches every service, which is
+how a benchmark sets service flags `spindle serve` does not expose (their SPINDLE_* defaults).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from tests.e2e.server import RunningServer, _wait_healthy, free_port
@@ -26,8 +27,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 @contextlib.contextmanager
 def spindle_server(model_dir: Path, *extra_args: str, num_threads: int, log_path: Path,
-                   timeout_s: float = 600.0) -> Iterator[RunningServer]:
+                   timeout_s: float = 600.0, extra_env: Mapping[str, str] | None = None) -> Iterator[RunningServer]:
     """`spindle serve --model model_dir *extra_args` on free loopback ports until the block ends.
+
+    `extra_env` is added to the environment of the launcher and so of every service it starts,
+    e.g. {"SPINDLE_ENABLE_PREFIX_CACHING": "false"} for the scheduler.
 
     Raises AssertionError (from the harness) if the server exits or is not healthy in `timeout_s`.
     """
@@ -35,7 +39,7 @@ def spindle_server(model_dir: Path, *extra_args: str, num_threads: int, log_path
     cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
            "--port", str(http_port), "--grpc-port", str(grpc_port), *extra_args]
     env = {**os.environ, "OMP_NUM_THREADS": str(num_threads),
-           "SPINDLE_LOG_LEVEL": os.environ.get("SPINDLE_LOG_LEVEL", "INFO")}
+           "SPINDLE_LOG_LEVEL": os.environ.get("SPINDLE_LOG_LEVEL", "INFO"), **(extra_env or {})}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         logger.info("starting: %s (log %s)", " ".join(cmd[1:]), log_path)

@@ -1,8 +1,9 @@
 """Benchmark workloads as plain data: lists of (prompt token ids, max_tokens), built from a seed.
 
 Prompts are token ids, not text, so every server and the in-process limit see exactly the same
-input, and output lengths are exact because requests are sent greedy with `ignore_eos`. Nothing
-here talks to a server or loads a model.
+input, and output lengths are exact because requests are sent greedy with `ignore_eos`. The
+embedding benchmark's input is text instead (`english_like_sentences`), since tokenizing is part
+of the work it measures. Nothing here talks to a server or loads a model.
 """
 
 from __future__ import annotations
@@ -35,15 +36,17 @@ class WorkloadSpec:
     """Everything that determines a workload; two equal specs give identical requests.
 
     Attributes:
-        kind: a key of WORKLOADS ("random" or "sharegpt-like").
+        kind: a key of WORKLOADS ("random", "sharegpt-like" or "shared-prefix").
         num_requests: how many requests.
-        input_len: prompt length (random) or median prompt length (sharegpt-like).
+        input_len: prompt length (random), median prompt length (sharegpt-like) or the length of
+            each request's own suffix after the shared prefix (shared-prefix).
         output_len: max_tokens (random) or median output length (sharegpt-like).
         range_ratio: random only; lengths are drawn uniformly from [len*(1-r), len*(1+r)], 0 = fixed.
         vocab_low: smallest token id used in prompts.
         vocab_high: one past the largest token id used in prompts (the model's vocab size).
         max_model_len: sharegpt-like only; prompt + output is clipped to fit.
         seed: seeds prompts and lengths.
+        prefix_len: shared-prefix only; tokens every prompt starts with (a shared system prompt).
     """
 
     kind: str = "random"
@@ -55,6 +58,7 @@ class WorkloadSpec:
     vocab_high: int = DEFAULT_VOCAB_HIGH
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
     seed: int = 0
+    prefix_len: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOADS:
@@ -69,6 +73,8 @@ class WorkloadSpec:
             raise ValueError(f"vocab_low={self.vocab_low} must be below vocab_high={self.vocab_high}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len} must be at least 2")
+        if self.prefix_len < 0:
+            raise ValueError(f"prefix_len={self.prefix_len} must not be negative")
 
 
 def _random_prompts(rng: np.random.Generator, spec: WorkloadSpec, lengths: np.ndarray) -> list[tuple[int, ...]]:
@@ -112,9 +118,22 @@ def sharegpt_like_workload(spec: WorkloadSpec) -> list[BenchRequest]:
     return [BenchRequest(p, int(o)) for p, o in zip(prompts, output_lens, strict=True)]
 
 
+def shared_prefix_workload(spec: WorkloadSpec) -> list[BenchRequest]:
+    """One seeded prefix of `prefix_len` ids shared by every prompt, then `input_len` ids of its own.
+
+    The prefix-cache workload: a common system prompt, unique user turns. Suffixes are drawn
+    independently per request, so no two prompts share more than the prefix (bar chance).
+    """
+    rng = np.random.default_rng(spec.seed)
+    prefix = tuple(int(t) for t in rng.integers(spec.vocab_low, spec.vocab_high, size=spec.prefix_len))
+    suffixes = _random_prompts(rng, spec, np.full(spec.num_requests, spec.input_len))
+    return [BenchRequest(prefix + suffix, spec.output_len) for suffix in suffixes]
+
+
 WORKLOADS: dict[str, Callable[[WorkloadSpec], list[BenchRequest]]] = {
     "random": random_workload,
     "sharegpt-like": sharegpt_like_workload,
+    "shared-prefix": shared_prefix_workload,
 }
 
 
@@ -138,3 +157,44 @@ def completion_payload(request: BenchRequest, model: str) -> dict[str, object]:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+
+
+# Frequent English words with a Zipf-like weighting (rank r drawn with weight 1/r), so sentences
+# have the short-word-heavy token statistics of real text without shipping or downloading a corpus.
+_WORDS_TEXT = (
+    "the of and to a in is that for it as was with be by on not he this are or his from at which but have an "
+    "they you were her she there one all we their has been would will more if no when can so what about up said "
+    "out them into time some could other than then its only new two may first also after any like our over "
+    "people years well way even made many work part because year where most state system world still between "
+    "school number government during without another city house service through children business program "
+    "development water market community information history research country problem question national family "
+    "report process early public change example energy health support policy against model language students "
+    "movement economic interest important experience production treatment structure analysis evidence "
+    "relationship environment particular university building computer material network behaviour temperature "
+    "distribution performance significant approximately opportunity responsibility international organisation "
+    "understanding infrastructure characteristics photosynthesis electromagnetic"
+)
+_WORDS = tuple(_WORDS_TEXT.split())
+_WORD_WEIGHTS = 1.0 / np.arange(1, len(_WORDS) + 1)
+_WORD_WEIGHTS /= _WORD_WEIGHTS.sum()
+
+
+def english_like_sentences(num_sentences: int, min_words: int = 8, max_words: int = 200,
+                           seed: int = 0) -> list[str]:
+    """`num_sentences` seeded pseudo-English sentences, each of a uniform random word count in [min, max].
+
+    Capitalised, with an occasional comma, ending in a period. Equal arguments give equal lists.
+    """
+    if num_sentences < 1:
+        raise ValueError(f"num_sentences={num_sentences} must be at least 1")
+    if not 1 <= min_words <= max_words:
+        raise ValueError(f"min_words={min_words} and max_words={max_words} must satisfy 1 <= min <= max")
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(min_words, max_words + 1, size=num_sentences)
+    sentences = []
+    for n in lengths:
+        words = [_WORDS[i] for i in rng.choice(len(_WORDS), size=int(n), p=_WORD_WEIGHTS)]
+        commas = rng.random(len(words) - 1) < 0.06  # a comma after about one word in 16
+        text = " ".join(w + "," if c else w for w, c in zip(words, [*commas, False], strict=True))
+        sentences.append(text[0].upper() + text[1:] + ".")
+    return sentences
