@@ -1,0 +1,120 @@
+"""Rows of the embedding benchmark, their ratio to sentence-transformers, and the printed table.
+
+Pure arithmetic over measured figures (no I/O, no models): sentences/s and tokens/s divide what
+succeeded by the wall time, and each row's ratio is its sentences/s over the sentence-transformers
+row's from the same run (DESIGN.md: compare only figures measured side by side).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from benchmarks.embed_client import EmbedBatch
+from benchmarks.load_client import LoadRun
+from benchmarks.metrics import LatencyStats
+from benchmarks.report import format_ms
+
+ST = "sentence-transformers"
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedRow:
+    """One measured configuration.
+
+    Attributes:
+        config: "sentence-transformers", "spindle" or "spindle-batched".
+        concurrency: requests in flight (sentence-transformers: its batch size).
+        sentences_per_request: sentences in one request (sentence-transformers: one encode batch).
+        num_sentences: sentences in the timed workload.
+        num_embedded: sentences answered correctly.
+        duration_s: wall time from the first send to the last answer.
+        total_tokens: tokens of the sentences answered correctly.
+        latency: per-request latency; None for sentence-transformers (one call).
+        num_failed_requests: requests that failed or were answered wrongly.
+        errors: the first few distinct failure texts.
+        min_cosine: lowest cosine between a vector and sentence-transformers' for the same sentence.
+        error: why the whole configuration could not run (then the figures are zeros).
+    """
+
+    config: str
+    concurrency: int
+    sentences_per_request: int
+    num_sentences: int
+    num_embedded: int
+    duration_s: float
+    total_tokens: int
+    latency: LatencyStats | None = None
+    num_failed_requests: int = 0
+    errors: tuple[str, ...] = field(default=())
+    min_cosine: float | None = None
+    error: str | None = None
+
+    @property
+    def sentences_per_s(self) -> float:
+        return self.num_embedded / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.total_tokens / self.duration_s if self.duration_s > 0 else 0.0
+
+
+def failed_row(config: str, concurrency: int, sentences_per_request: int, num_sentences: int,
+               error: str) -> EmbedRow:
+    return EmbedRow(config, concurrency, sentences_per_request, num_sentences, 0, 0.0, 0, error=error)
+
+
+def row_from_load(config: str, concurrency: int, sentences_per_request: int, batches: Sequence[EmbedBatch],
+                  run: LoadRun, min_cosine: float | None) -> EmbedRow:
+    """A spindle row: run.results are in `batches` order, so sentences are counted per successful batch."""
+    ok = [b for b, r in zip(batches, run.results, strict=True) if r.is_success]
+    s = run.summary
+    return EmbedRow(config, concurrency, sentences_per_request, sum(len(b.texts) for b in batches),
+                    sum(len(b.texts) for b in ok), s.duration_s, sum(b.num_tokens for b in ok), s.e2e,
+                    s.num_failed, s.errors, min_cosine)
+
+
+def ratio_to_st(row: EmbedRow, rows: Sequence[EmbedRow]) -> float | None:
+    """row's sentences/s over sentence-transformers' in the same run; None for that row or without it."""
+    reference = next((r.sentences_per_s for r in rows if r.config == ST and r.error is None), 0.0)
+    if row.config == ST or row.error is not None or reference <= 0:
+        return None
+    return row.sentences_per_s / reference
+
+
+TABLE_HEADER = ("config", "conc", "sent/req", "sentences/s", "tokens/s", "p50", "p99", "/ST", "min cos", "notes")
+
+
+def format_table(rows: Sequence[EmbedRow]) -> str:
+    """A Markdown table, one line per row."""
+    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
+    for row in rows:
+        if row.error is not None:
+            cells = [row.config, str(row.concurrency), str(row.sentences_per_request), "", "", "", "", "", "",
+                     f"FAILED: {row.error}"]
+        else:
+            ratio = ratio_to_st(row, rows)
+            notes = [f"{row.num_failed_requests} requests failed: {row.errors[0]}"] if row.num_failed_requests else []
+            cells = [row.config, str(row.concurrency), str(row.sentences_per_request), f"{row.sentences_per_s:,.1f}",
+                     f"{row.tokens_per_s:,.0f}", format_ms(row.latency.p50_ms) if row.latency else "",
+                     format_ms(row.latency.p99_ms) if row.latency else "", "" if ratio is None else f"{ratio:.2f}",
+                     "" if row.min_cosine is None else f"{row.min_cosine:.5f}", "; ".join(notes)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def rows_to_json(rows: Sequence[EmbedRow]) -> list[dict[str, object]]:
+    """Every row with its derived figures, for the results JSON."""
+    out = []
+    for row in rows:
+        out.append({
+            "config": row.config, "concurrency": row.concurrency, "sentences_per_request": row.sentences_per_request,
+            "num_sentences": row.num_sentences, "num_embedded": row.num_embedded, "duration_s": row.duration_s,
+            "total_tokens": row.total_tokens, "sentences_per_s": row.sentences_per_s,
+            "tokens_per_s": row.tokens_per_s, "latency_ms": None if row.latency is None else {
+                "mean": row.latency.mean_ms, "p50": row.latency.p50_ms, "p90": row.latency.p90_ms,
+                "p99": row.latency.p99_ms},
+            "num_failed_requests": row.num_failed_requests, "errors": list(row.errors),
+            "min_cosine_vs_st": row.min_cosine, "ratio_vs_st": ratio_to_st(row, rows), "error": row.error,
+        })
+    return out
