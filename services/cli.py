@@ -8,15 +8,18 @@ Kubernetes) and one started by `spindle serve` parse the same flags.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
+import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any, Protocol
 
 import uvloop
 
 from shared.logs import setup_logging
+
+logger = logging.getLogger(__name__)
 
 SERVICES = ("frontend", "scheduler", "worker")
 
@@ -69,6 +72,36 @@ def _serve(args: argparse.Namespace) -> int:
     return Launcher(config).run()
 
 
+class ServiceModule(Protocol):
+    """What each `services/<name>/__main__.py` provides."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+    def config_from_args(self, args: argparse.Namespace) -> Any: ...
+    def serve(self, config: Any) -> Coroutine[Any, Any, None]: ...
+
+
+def run_service(name: str, module: ServiceModule, argv: Sequence[str] | None = None,
+                parser: argparse.ArgumentParser | None = None) -> None:
+    """Parse a service's flags, set up logging and serve it until SIGTERM/SIGINT."""
+    if parser is None:
+        parser = argparse.ArgumentParser(prog=f"spindle {name}", description=f"spindle {name} service")
+        module.add_arguments(parser)
+    args = parser.parse_args(argv)
+    setup_logging(name)
+    try:
+        config = module.config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        uvloop.run(module.serve(config))
+    except KeyboardInterrupt:
+        pass
+    except (ValueError, OSError) as exc:
+        # Bad configuration found while starting (missing model files, port in use): say it plainly.
+        logger.error("%s cannot start: %s", name, exc)
+        sys.exit(1)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="spindle", description="spindle LLM inference server")
@@ -78,15 +111,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         service_parser = sub.add_parser(name, help=f"run the {name} service alone")
         # Import only the chosen service: the worker pulls in torch, which `serve` never needs.
         if argv and argv[0] == name:
-            importlib.import_module(f"services.{name}.__main__").add_arguments(service_parser)
+            module = importlib.import_module(f"services.{name}.__main__")
+            module.add_arguments(service_parser)
+            run_service(name, module, argv[1:], service_parser)
+            return
     args = parser.parse_args(argv)
     setup_logging(args.command)
-    if args.command == "serve":
-        sys.exit(_serve(args))
-    module = importlib.import_module(f"services.{args.command}.__main__")
-    config = module.config_from_args(args)
-    with contextlib.suppress(KeyboardInterrupt):
-        uvloop.run(module.serve(config))
+    sys.exit(_serve(args))
 
 
 if __name__ == "__main__":

@@ -6,15 +6,12 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-
-import uvloop
+import sys
 
 from services.frontend.config import FrontendConfig
 from services.frontend.server import Frontend
 from shared.grpc_server import wait_for_shutdown
-from shared.logs import setup_logging
 
 
 def _env(name: str, default: str) -> str:
@@ -65,18 +62,7 @@ async def serve(config: FrontendConfig) -> None:
     await frontend.stop()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="spindle frontend", description="spindle frontend service")
-    add_arguments(parser)
-    args = parser.parse_args()
-    setup_logging("frontend")
-    try:
-        config = config_from_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    with contextlib.suppress(KeyboardInterrupt):
-        uvloop.run(serve(config))
-
-
 if __name__ == "__main__":
-    main()
+    from services.cli import run_service
+
+    run_service("frontend", sys.modules[__name__])

@@ -10,15 +10,13 @@ import asyncio
 import contextlib
 import logging
 import os
-
-import uvloop
+import sys
 
 from services.scheduler.config import DEFAULT_LISTEN, DEFAULT_WORKER_ADDRS, SchedulerConfig
 from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.servicer import SERVICE_NAME, register
 from services.scheduler.worker_client import WorkerClient
 from shared.grpc_server import start_grpc, wait_for_shutdown
-from shared.logs import setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -113,18 +111,7 @@ async def serve(config: SchedulerConfig) -> None:
         raise SystemExit(1)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="spindle scheduler", description="spindle scheduler service")
-    add_arguments(parser)
-    args = parser.parse_args()
-    setup_logging("scheduler")
-    try:
-        config = config_from_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    with contextlib.suppress(KeyboardInterrupt):
-        uvloop.run(serve(config))
-
-
 if __name__ == "__main__":
-    main()
+    from services.cli import run_service
+
+    run_service("scheduler", sys.modules[__name__])

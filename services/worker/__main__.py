@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
+import sys
 
 import grpc
-import uvloop
 
 from services.worker.config import DEFAULT_LISTEN, WorkerConfig
 from services.worker.round_pipeline import RoundPipeline
 from services.worker.servicer import WorkerServicer
 from services.worker.worker import Worker
 from shared.grpc_server import start_grpc, wait_for_shutdown
-from shared.logs import setup_logging
 from shared.pb.spindle.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -126,7 +124,11 @@ async def serve(config: WorkerConfig) -> None:
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
 
     service = await start_grpc(config.listen, register, [SERVICE_NAME])
-    worker = await asyncio.to_thread(Worker, config)
+    try:
+        worker = await asyncio.to_thread(Worker, config)
+    except BaseException:
+        await service.server.stop(0)
+        raise
     pipeline = RoundPipeline(worker.runner)
     servicer.attach(worker.info, pipeline)
     await service.set_serving([SERVICE_NAME])
@@ -137,18 +139,7 @@ async def serve(config: WorkerConfig) -> None:
         pipeline.close()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="spindle worker", description="spindle worker service")
-    add_arguments(parser)
-    args = parser.parse_args()
-    setup_logging("worker")
-    try:
-        config = config_from_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    with contextlib.suppress(KeyboardInterrupt):
-        uvloop.run(serve(config))
-
-
 if __name__ == "__main__":
-    main()
+    from services.cli import run_service
+
+    run_service("worker", sys.modules[__name__])
