@@ -42,6 +42,7 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="auto | cpu | cuda")
     parser.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache budget per CPU worker")
     parser.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
 
 
 def _flags(args: argparse.Namespace, names: Sequence[str]) -> tuple[str, ...]:
@@ -58,7 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
     from services.launcher import Launcher, ServeConfig
 
     worker_flags = ("attention_backend", "dtype", "device", "kv_cache_bytes", "block_size",
-                    "max_num_seqs", "max_num_batched_tokens")
+                    "max_num_seqs", "max_num_batched_tokens", "num_threads")
     scheduler_flags = ("num_scheduler_steps", "max_num_seqs", "max_num_batched_tokens")
     try:
         config = ServeConfig(
