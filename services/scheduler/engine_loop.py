@@ -50,6 +50,7 @@ class EngineLoop:
         self._connection_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
         self._last_stats_log = time.monotonic()
         self._last_stats_steps = 0
 
@@ -68,6 +69,8 @@ class EngineLoop:
                     info.block_size, info.max_model_len, info.max_request_tokens)
 
     async def stop(self) -> None:
+        self._stopping = True  # NOTE: a cancel alone can be lost when the wake-up races it
+        self._wake.set()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -150,14 +153,17 @@ class EngineLoop:
     async def _run(self) -> None:
         scheduler = self.scheduler
         assert scheduler is not None
-        while True:
+        while not self._stopping:
             timeout = self.config.stats_interval_s
             deadline = scheduler.next_deadline()
             if deadline is not None:
                 timeout = min(timeout, max(deadline - self._clock(), 0.0))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
             self._wake.clear()
+            if self._stopping:
+                return
             self.step()
 
     def step(self) -> None:

@@ -17,6 +17,16 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class _Held:
+    """One request's block table, and how many of its leading blocks `cache_blocks` visited."""
+
+    __slots__ = ("block_ids", "num_visited")
+
+    def __init__(self, num_visited: int) -> None:
+        self.block_ids: list[int] = []
+        self.num_visited = num_visited
+
+
 class KVBlockManager:
     """Block accounting and prefix caching for one worker's KV pool.
 
@@ -54,9 +64,7 @@ class KVBlockManager:
         self._block_hash: list[BlockHash | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
-        self._tables: dict[str, list[int]] = {}
-        # Leading blocks of each table that `cache_blocks` has already visited.
-        self._num_visited: dict[str, int] = {}
+        self._held: dict[str, _Held] = {}
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
 
@@ -72,10 +80,11 @@ class KVBlockManager:
         return len(self._cached)
 
     def block_table(self, request_id: str) -> list[int]:
-        return self._tables.get(request_id, [])
+        held = self._held.get(request_id)
+        return held.block_ids if held is not None else []
 
     def has_blocks(self, request_id: str) -> bool:
-        return request_id in self._tables
+        return request_id in self._held
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Cached blocks of the request's longest cached prefix, and the tokens they cover.
@@ -120,16 +129,24 @@ class KVBlockManager:
         Lookahead slots are for multi-step decoding: steps 1..n-1 of a round write one more
         position each without asking the scheduler.
         """
+        held = self._held.get(request.request_id)
+        if computed_blocks is None and held is not None:  # fast path: a running request grows
+            num_needed = (_cdiv(request.num_computed_tokens + num_new_tokens + num_lookahead_tokens,
+                                self.block_size) - len(held.block_ids))
+            if num_needed <= 0:
+                return []
+            if num_needed > len(self._free):
+                return None
+            added = [self._pop_free() for _ in range(num_needed)]
+            held.block_ids.extend(added)
+            return added
         computed = computed_blocks if computed_blocks is not None else ()
-        assert computed_blocks is None or (request.num_computed_tokens == 0
-                                           and request.request_id not in self._tables)
+        assert computed_blocks is None or (request.num_computed_tokens == 0 and held is None)
         num_needed = self._num_blocks_needed(request, num_new_tokens, num_lookahead_tokens, computed)
         if num_needed > self._num_free_after_touch(computed):
             return None
-        table = self._tables.get(request.request_id)
-        if table is None:
-            table = self._tables[request.request_id] = []
-            self._num_visited[request.request_id] = len(computed)
+        if held is None:
+            held = self._held[request.request_id] = _Held(len(computed))
         if computed_blocks is not None:
             self.num_query_tokens += request.num_tokens
             self.num_hit_tokens += len(computed) * self.block_size
@@ -139,12 +156,8 @@ class KVBlockManager:
                 del self._free[block]
             self.ref_cnt[block] += 1
             added.append(block)
-        for _ in range(max(num_needed, 0)):
-            block, _none = self._free.popitem(last=False)
-            self._evict(block)
-            self.ref_cnt[block] = 1
-            added.append(block)
-        table.extend(added)
+        added.extend(self._pop_free() for _ in range(num_needed))
+        held.block_ids.extend(added)
         return added
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -156,11 +169,12 @@ class KVBlockManager:
         """
         if not self.enable_prefix_caching:
             return
-        table = self._tables.get(request.request_id)
-        if table is None:
+        held = self._held.get(request.request_id)
+        if held is None:
             return
+        table = held.block_ids
         num_full = min(num_computed_tokens // self.block_size, len(table))
-        start = self._num_visited[request.request_id]
+        start = held.num_visited
         if num_full <= start:
             return
         hashes = request_block_hashes(request, self.block_size, num_full)
@@ -169,15 +183,14 @@ class KVBlockManager:
             if self._block_hash[block] is None and h not in self._cached:
                 self._block_hash[block] = h
                 self._cached[h] = block
-        self._num_visited[request.request_id] = num_full
+        held.num_visited = num_full
 
     def free(self, request: Request) -> None:
         """Drop the request's block table; its cached blocks stay reusable until evicted."""
-        table = self._tables.pop(request.request_id, None)
-        self._num_visited.pop(request.request_id, None)
-        if table is None:
+        held = self._held.pop(request.request_id, None)
+        if held is None:
             return
-        for block in reversed(table):  # tail first: the prefix is evicted last
+        for block in reversed(held.block_ids):  # tail first: the prefix is evicted last
             self.ref_cnt[block] -= 1
             if self.ref_cnt[block] == 0:
                 self._free[block] = None
@@ -194,24 +207,30 @@ class KVBlockManager:
                            computed: Sequence[int]) -> int:
         num_slots = (len(computed) * self.block_size + request.num_computed_tokens
                      + num_new_tokens + num_lookahead_tokens)
-        held = len(self._tables.get(request.request_id, ())) + len(computed)
-        return _cdiv(num_slots, self.block_size) - held
+        held = self._held.get(request.request_id)
+        num_held = (len(held.block_ids) if held is not None else 0) + len(computed)
+        return _cdiv(num_slots, self.block_size) - num_held
 
     def _num_free_after_touch(self, computed: Sequence[int]) -> int:
         # Cached blocks with no holder sit in the free queue; touching them takes them out.
         return len(self._free) - sum(1 for b in computed if self.ref_cnt[b] == 0)
 
-    def _evict(self, block: int) -> None:
+    def _pop_free(self) -> int:
+        """Take the next block in eviction order, dropping its cache entry."""
+        block = self._free.popitem(last=False)[0]
         h = self._block_hash[block]
         if h is not None:
             self._block_hash[block] = None
             if self._cached.get(h) == block:
                 del self._cached[h]
+        self.ref_cnt[block] = 1
+        return block
 
     def check_invariants(self) -> None:
         """Raise AssertionError when an invariant in the class docstring does not hold."""
         holders = [0] * self.num_blocks
-        for request_id, table in self._tables.items():
+        for request_id, held in self._held.items():
+            table = held.block_ids
             assert len(set(table)) == len(table), f"{request_id} holds a block twice: {table}"
             for block in table:
                 holders[block] += 1

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_block_manager import KVBlockManager
-from services.scheduler.multi_step import choose_num_steps, is_certain_to_finish
+from services.scheduler.multi_step import choose_num_steps
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.worker_state import InflightEntry, InflightRound, WorkerState
 from shared.execute import CachedRequestData, ExecuteRound, NewRequestData
@@ -59,17 +59,21 @@ class _Plan:
         self.preempted = False
 
     def schedule_running(self) -> None:
-        kv, ws = self.kv, self.ws
+        kv, ws, entries = self.kv, self.ws, self.entries
+        max_model_len = self.max_model_len
         for request in list(ws.running):
             if self.budget <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if is_certain_to_finish(request, self.max_model_len):
+            num_inflight = request.num_inflight_tokens
+            num_known = len(request.all_token_ids) + num_inflight
+            if (num_known >= max_model_len  # inlined is_certain_to_finish: this loop is the hot path
+                    or len(request.output_token_ids) + num_inflight >= request.sampling.max_tokens):
                 continue
-            remaining = request.num_optimistic_tokens - request.num_computed_tokens
+            remaining = num_known - request.num_computed_tokens
             assert remaining >= 1, f"{request.request_id}: nothing left to compute"
-            num_tokens = min(remaining, self.budget)
+            num_tokens = remaining if remaining <= self.budget else self.budget
             samples = num_tokens == remaining
             lookahead = self.num_steps - 1 if samples else 0
             while (new_blocks := kv.allocate_slots(request, num_tokens, lookahead)) is None:
@@ -78,7 +82,8 @@ class _Plan:
                 if victim is request:
                     break
             if new_blocks is not None:
-                self._add(_Entry(request, num_tokens, new_blocks, False, samples))
+                entries[request.request_id] = _Entry(request, num_tokens, new_blocks, False, samples)
+                self.budget -= num_tokens
 
     def schedule_waiting(self) -> None:
         if self.preempted:

@@ -6,6 +6,7 @@ per engine step per frontend connection carries every update for that frontend's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shared.errors import ErrorKind
@@ -29,16 +30,17 @@ class RequestUpdate:
     """
 
     request_id: str
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # one per token, when asked for
+    # Sequences default to () so the per-token hot path allocates one list, not five.
+    token_ids: Sequence[int] = ()
+    logprobs: Sequence[float] = ()  # one per token, when asked for
     num_top_logprobs: int = 0  # entries per token in top_token_ids / top_logprobs
-    top_token_ids: list[int] = field(default_factory=list)
-    top_logprobs: list[float] = field(default_factory=list)
+    top_token_ids: Sequence[int] = ()
+    top_logprobs: Sequence[float] = ()
     stop_reason: StopReason | None = None  # set on the last update of a request
     stop_token_id: int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    pooled: list[float] = field(default_factory=list)
+    pooled: Sequence[float] = ()
     error: RequestError | None = None
 
     @property

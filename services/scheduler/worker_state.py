@@ -8,6 +8,7 @@ bookkeeping; which request moves when is decided by the round builder and schedu
 from __future__ import annotations
 
 import bisect
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ from services.scheduler.request_queue import WaitingQueue
 from shared.execute import WorkerInfo
 from shared.types import StopReason
 
+logger = logging.getLogger(__name__)
 
 def running_order(request: Request) -> tuple[int, int]:
     """Running-set order: higher priority first, then earlier arrival. The last is the victim."""
@@ -115,6 +117,9 @@ class WorkerState:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._forget_on_worker(request)
+        logger.debug("preempted on worker %d after %d output tokens (%d rounds in flight)", self.index,
+                     request.num_output_tokens, request.num_inflight_rounds,
+                     extra={"request_id": request.request_id})
         if request.num_inflight_rounds > 0:
             self.draining[request.request_id] = request
         else:
@@ -138,6 +143,9 @@ class WorkerState:
         request.status = RequestStatus.FINISHED
         request.stop_reason = reason
         del self.requests[request.request_id]
+        logger.debug("finished on worker %d: %s, %d output tokens", self.index,
+                     reason.name if reason is not None else "error", request.num_output_tokens,
+                     extra={"request_id": request.request_id})
 
     def round_done(self, rnd: InflightRound) -> None:
         """The round's last step came back: requests preempted meanwhile may queue again."""
