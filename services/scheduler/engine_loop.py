@@ -21,7 +21,7 @@ from services.scheduler.output_processor import ProtocolError
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.updates import RequestError, RequestUpdate, StepUpdates, UpdateSink
-from services.scheduler.worker_client import WorkerLink
+from services.scheduler.worker_link import WorkerLink
 from shared.errors import ErrorKind
 from shared.execute import StepOutput
 

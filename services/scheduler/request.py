@@ -140,7 +140,12 @@ class Request:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Request:
-        """Inverse of `to_dict`; transient in-flight counters start at zero."""
+        """Inverse of `to_dict`; transient in-flight counters start at zero.
+
+        Values are restored verbatim: a journal replaying a request into a fresh scheduler
+        resets it to WAITING with num_computed_tokens 0 (it then recomputes prompt + output,
+        as after a preemption).
+        """
         sampling = dict(data["sampling"])
         sampling["stop_token_ids"] = tuple(sampling["stop_token_ids"])
         stop_reason = data.get("stop_reason")

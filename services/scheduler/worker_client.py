@@ -12,37 +12,20 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Protocol
+from collections.abc import AsyncIterator
 
 import grpc
 
+from services.scheduler.worker_link import OnFailure, OnOutput
 from shared.errors import UnavailableError
-from shared.execute import ExecuteRound, StepOutput, WorkerInfo
+from shared.execute import ExecuteRound, WorkerInfo
 from shared.execute_wire import round_to_proto, step_from_proto, worker_info_from_proto
 from shared.grpc_server import GRPC_OPTIONS
 from shared.pb.spindle.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-OnOutput = Callable[[int, StepOutput], None]
-OnFailure = Callable[[int, str], None]
-
 _LOG_EVERY_S = 10.0
-
-
-class WorkerLink(Protocol):
-    """What the engine loop needs from a worker connection (the gRPC client, or a test fake)."""
-
-    address: str
-
-    async def wait_ready(self) -> WorkerInfo: ...
-
-    def open(self, on_output: OnOutput, on_failure: OnFailure) -> None: ...
-
-    def send(self, rnd: ExecuteRound) -> None: ...
-
-    async def close(self) -> None: ...
 
 
 class WorkerClient:

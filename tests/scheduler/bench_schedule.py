@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
@@ -74,8 +75,8 @@ def main() -> None:
     for num_steps in args.num_scheduler_steps:
         for num_seqs in args.num_seqs:
             t = measure(num_seqs, num_steps)
-            print(f"num_seqs={t.num_seqs:5d} num_scheduler_steps={t.num_scheduler_steps}: "  # noqa: T201
-                  f"schedule() {t.schedule_us:8.1f} us/round, output {t.output_us:8.1f} us/step")
+            sys.stdout.write(f"num_seqs={t.num_seqs:5d} num_scheduler_steps={t.num_scheduler_steps}: "
+                             f"schedule() {t.schedule_us:8.1f} us/round, output {t.output_us:8.1f} us/step\n")
 
 
 if __name__ == "__main__":

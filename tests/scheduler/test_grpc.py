@@ -197,3 +197,13 @@ async def test_failed_worker_fails_its_requests_with_unavailable(stack: Stack) -
     assert errors["p"].kind is ErrorKind.UNAVAILABLE and "failed" in errors["p"].message
     assert "q" in scheduler.requests, "the other worker keeps serving"
     call.cancel()
+
+
+async def test_deadline_aborts_a_running_request(stack: Stack) -> None:
+    await _wait_ready(stack.stub)
+    late = _request("late", [5, 6], 120)  # >= 120 steps x 2 ms: cannot finish before its deadline
+    late.deadline_unix_s = time.time() + 0.1
+    messages = [wire.add_requests_to_proto([late])]
+    updates = [wire.update_from_proto(u) async for m in stack.stub.Connect(iter(messages)) for u in m.step.updates]
+    assert updates[-1].stop_reason == StopReason.ABORTED
+    assert 0 < sum(len(u.token_ids) for u in updates) < 120
