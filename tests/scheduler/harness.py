@@ -59,6 +59,7 @@ class HarnessResult:
     workers: list[FakeWorker]
     num_steps: int
     max_running_seen: int
+    num_pipelined_rounds: int  # rounds sent while the worker had not finished the previous one
 
 
 class Harness:
@@ -80,6 +81,7 @@ class Harness:
         self.tick = 0
         self.num_steps = 0
         self.max_running_seen = 0
+        self.num_pipelined_rounds = 0
 
     # ---- workload ----
 
@@ -123,6 +125,7 @@ class Harness:
             self.check()
             for index, rnd in sched.schedule().items():
                 self._check_round(rnd)
+                self.num_pipelined_rounds += self.workers[index].has_work
                 self.workers[index].submit(rnd)
             self.check()
             for index, worker in enumerate(self.workers):
@@ -134,7 +137,8 @@ class Harness:
                     self.num_steps += 1
                     self._deliver(sink)
                     self.check()
-        return HarnessResult(self.views, sched, self.workers, self.num_steps, self.max_running_seen)
+        return HarnessResult(self.views, sched, self.workers, self.num_steps, self.max_running_seen,
+                             self.num_pipelined_rounds)
 
     def _random_aborts(self, sink: UpdateSink) -> None:
         sched, rng = self.scheduler, self.rng

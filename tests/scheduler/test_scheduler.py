@@ -28,6 +28,10 @@ def _req(request_id: str, prompt: list[int], max_tokens: int = 8, priority: int 
                    sampling=SamplingOptions(temperature=0.0, max_tokens=max_tokens, **sampling))  # type: ignore[arg-type]
 
 
+def sched_sampling(max_tokens: int) -> SamplingOptions:
+    return SamplingOptions(temperature=0.0, max_tokens=max_tokens)
+
+
 def _updates(sink: UpdateSink) -> list[RequestUpdate]:
     return [u for batch in sink.by_connection.values() for u in batch]
 
@@ -132,10 +136,6 @@ def test_preempted_request_resumes_with_same_tokens() -> None:
     for request_id, prompt in prompts.items():
         expected = reference_output(prompt, sched_sampling(12), 256, 64, NEVER_EOS)
         assert tokens[request_id] == expected
-
-
-def sched_sampling(max_tokens: int) -> SamplingOptions:
-    return SamplingOptions(temperature=0.0, max_tokens=max_tokens)
 
 
 def test_identical_block_aligned_requests_do_not_crash_and_match() -> None:

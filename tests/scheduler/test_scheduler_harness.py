@@ -65,6 +65,7 @@ def test_random_workload_matches_reference(name: str) -> None:
     check_drained(result)
     stats = result.scheduler.stats()
     assert result.num_steps > 1000, "the workload was meant to run for many steps"
+    assert result.num_pipelined_rounds > 100, "rounds were meant to be sent while others still ran"
     assert stats.num_preemptions > 0, "the pool was meant to be small enough to force preemption"
     assert sum(w.num_partial_prefills for w in result.workers) > 0, "no prompt was chunked"
     if spec.enable_prefix_caching:
