@@ -2,7 +2,9 @@
 
 Policy (multi-step, RFC 6854 taken further):
   * 1 step when a prefill is pending: a running request is mid-prefill (chunked), or the
-    head of the waiting queue could be admitted now (a free sequence slot and a free block).
+    head of the waiting queue could be admitted now (a free sequence slot and a free block,
+    or a lower-priority running request it may preempt). NOTE: the round builder admits
+    nothing into a multi-step round, so a prefill never runs lookahead steps.
     A new request therefore waits at most for the rounds already in flight (at most
     `max_inflight_rounds` x n steps) before its prefill starts, and prefills only ever run
     in 1-step rounds, so TTFT stays bounded by n, not by the length of other requests.
@@ -27,11 +29,21 @@ def is_certain_to_finish(request: Request, max_model_len: int) -> bool:
             or request.num_tokens + num_inflight >= max_model_len)
 
 
-def choose_num_steps(ws: WorkerState, num_scheduler_steps: int, max_num_seqs: int,
-                     max_model_len: int) -> int:
+def can_admit_now(ws: WorkerState, max_num_seqs: int, enable_priority_preemption: bool) -> bool:
+    """Whether the head of the waiting queue could get a sequence slot and a block this round."""
+    if not ws.waiting or ws.kv is None:
+        return False
+    if len(ws.running) < max_num_seqs and ws.kv.num_free_blocks > 0:
+        return True
+    return (enable_priority_preemption and bool(ws.running)
+            and ws.running[-1].priority < ws.waiting.peek().priority)
+
+
+def choose_num_steps(ws: WorkerState, num_scheduler_steps: int, max_num_seqs: int, max_model_len: int,
+                     enable_priority_preemption: bool = False) -> int:
     if num_scheduler_steps == 1 or ws.kv is None:
         return 1
-    if ws.waiting and len(ws.running) < max_num_seqs and ws.kv.num_free_blocks > 0:
+    if can_admit_now(ws, max_num_seqs, enable_priority_preemption):
         return 1
     wanted = 1
     room = num_scheduler_steps

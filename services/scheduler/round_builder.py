@@ -54,7 +54,7 @@ class _Plan:
         self.max_model_len = builder.max_model_len
         self.budget = config.max_num_batched_tokens
         self.num_steps = choose_num_steps(ws, config.num_scheduler_steps, config.max_num_seqs,
-                                          builder.max_model_len)
+                                          builder.max_model_len, config.enable_priority_preemption)
         self.entries: dict[str, _Entry] = {}
         self.preempted = False
 
@@ -88,6 +88,8 @@ class _Plan:
     def schedule_waiting(self) -> None:
         if self.preempted:
             return  # blocks are short: let running requests go first
+        if self.num_steps > 1:
+            return  # chosen because nothing can be admitted now; prefills run in 1-step rounds
         kv, ws, config = self.kv, self.ws, self.config
         while ws.waiting and self.budget > 0:
             request = ws.waiting.peek()

@@ -293,3 +293,21 @@ def test_request_state_round_trips_through_a_plain_dict() -> None:
     back = Request.from_dict(data)
     assert back.to_dict() == request.to_dict()
     assert back.all_token_ids == [5, 6, 7, 11] and back.sampling == request.sampling
+
+
+def test_priority_admission_into_full_running_set_uses_a_single_step_round() -> None:
+    sched, [worker] = _make(num_scheduler_steps=8, max_num_seqs=1, enable_priority_preemption=True)
+    sink = UpdateSink()
+    sched.add_request(_req("low", [5, 6, 7], max_tokens=50), sink)
+    worker.submit(sched.schedule()[0])
+    for out in worker.run_round():
+        sched.update_from_output(0, out, sink)
+    decode = sched.schedule()[0]
+    assert decode.num_steps == 8  # nothing waits
+    worker.submit(decode)
+    for out in worker.run_round():
+        sched.update_from_output(0, out, sink)
+    sched.add_request(_req("high", [8, 9], priority=1), sink)
+    rnd = sched.schedule()[0]
+    assert rnd.num_steps == 1 and [n.request_id for n in rnd.new_requests] == ["high"]
+    assert rnd.finished_request_ids == ["low"]

@@ -53,6 +53,8 @@ CONFIGS = {
     "3w-8step": HarnessSpec(seed=6, num_workers=3, num_scheduler_steps=8, num_blocks=40),
     "priority-preemption": HarnessSpec(seed=7, num_scheduler_steps=4, num_blocks=40,
                                        enable_priority_preemption=True),
+    "long-prompts-priority-8step": HarnessSpec(seed=9, num_scheduler_steps=8, num_blocks=48, max_prompt=79,
+                                               enable_priority_preemption=True),
     "no-prefix-cache": HarnessSpec(seed=8, num_scheduler_steps=4, num_blocks=40, enable_prefix_caching=False),
 }
 
