@@ -1,17 +1,17 @@
 """`choose_num_steps`: how many forward passes the next round of one worker runs.
 
-Policy (multi-step, RFC 6854 taken further):
-  * 1 step when a prefill is pending: a running request is mid-prefill (chunked), or the
-    head of the waiting queue could be admitted now (a free sequence slot and a free block,
-    or a lower-priority running request it may preempt). NOTE: the round builder admits
-    nothing into a multi-step round, so a prefill never runs lookahead steps.
-    A new request therefore waits at most for the rounds already in flight (at most
-    `max_inflight_rounds` x n steps) before its prefill starts, and prefills only ever run
-    in 1-step rounds, so TTFT stays bounded by n, not by the length of other requests.
-  * otherwise n = num_scheduler_steps, cut to the largest number of tokens any decoding
-    request can still use (no round of 8 steps for requests that want 2 more tokens), and
-    to the context room of the request closest to max_model_len (a step never computes a
-    position >= max_model_len).
+Policy (multi-step, RFC 6854 taken further: it works together with chunked prefill):
+  * 1 step while a prefill is chunked: a running request is mid-prefill, or the head of the
+    waiting queue cannot be prefilled whole within this round's token budget. Each chunk
+    then follows the last without waiting n steps.
+  * otherwise n = num_scheduler_steps, and waiting requests whose whole prompt fits in the
+    budget are admitted into step 0 of that round: they prefill, sample, and decode in steps
+    1..n-1 like everyone else. A new request therefore waits at most for the rounds already
+    in flight (max_inflight_rounds x n steps) before its first token, so TTFT stays bounded
+    by n, while the batch keeps decoding n steps per round trip under steady arrivals.
+  * n is cut to the largest number of tokens any request still wants (no round of 8 steps
+    for requests that want 2 more tokens), and to the context room of the request closest
+    to max_model_len (a step never computes a position >= max_model_len).
 Tokens a request samples after its stop inside a round are discarded by the output
 processor; its lookahead blocks are freed with the request.
 """
@@ -39,11 +39,9 @@ def can_admit_now(ws: WorkerState, max_num_seqs: int, enable_priority_preemption
             and ws.running[-1].priority < ws.waiting.peek().priority)
 
 
-def choose_num_steps(ws: WorkerState, num_scheduler_steps: int, max_num_seqs: int, max_model_len: int,
-                     enable_priority_preemption: bool = False) -> int:
+def choose_num_steps(ws: WorkerState, num_scheduler_steps: int, max_num_seqs: int, max_num_batched_tokens: int,
+                     max_model_len: int, enable_priority_preemption: bool = False) -> int:
     if num_scheduler_steps == 1 or ws.kv is None:
-        return 1
-    if can_admit_now(ws, max_num_seqs, enable_priority_preemption):
         return 1
     wanted = 1
     room = num_scheduler_steps
@@ -58,4 +56,11 @@ def choose_num_steps(ws: WorkerState, num_scheduler_steps: int, max_num_seqs: in
             wanted = remaining
         # This round computes positions num_known-1 .. num_known+n-2; keep them < max_model_len.
         room = min(room, max_model_len - num_known + 1)
+    if can_admit_now(ws, max_num_seqs, enable_priority_preemption):
+        head = ws.waiting.peek()
+        # Decodes take one token each from the budget; the rest is for whole prefills.
+        if head.num_tokens > max_num_batched_tokens - len(ws.running):
+            return 1  # the head needs chunking
+        wanted = max(wanted, head.sampling.max_tokens - head.num_output_tokens)
+        room = min(room, max_model_len - head.num_tokens + 1)
     return max(1, min(num_scheduler_steps, wanted, room))

@@ -54,7 +54,8 @@ class _Plan:
         self.max_model_len = builder.max_model_len
         self.budget = config.max_num_batched_tokens
         self.num_steps = choose_num_steps(ws, config.num_scheduler_steps, config.max_num_seqs,
-                                          builder.max_model_len, config.enable_priority_preemption)
+                                          config.max_num_batched_tokens, builder.max_model_len,
+                                          config.enable_priority_preemption)
         self.entries: dict[str, _Entry] = {}
         self.preempted = False
 
@@ -88,16 +89,19 @@ class _Plan:
     def schedule_waiting(self) -> None:
         if self.preempted:
             return  # blocks are short: let running requests go first
-        if self.num_steps > 1:
-            return  # chosen because nothing can be admitted now; prefills run in 1-step rounds
         kv, ws, config = self.kv, self.ws, self.config
+        multi_step = self.num_steps > 1
         while ws.waiting and self.budget > 0:
             request = ws.waiting.peek()
             if len(ws.running) >= config.max_num_seqs and not self._preempt_lower(request):
                 return
+            if multi_step and request.num_tokens + self.num_steps - 1 > self.max_model_len:
+                return  # its lookahead would pass the context: it goes in a shorter round
             while True:
                 computed, num_hit = kv.get_computed_blocks(request)
                 remaining = request.num_tokens - num_hit
+                if multi_step and remaining > self.budget:
+                    return  # multi-step rounds admit whole prefills only; chunks run in 1-step rounds
                 num_tokens = min(remaining, self.budget)
                 samples = num_tokens == remaining
                 lookahead = self.num_steps - 1 if samples else 0

@@ -156,32 +156,47 @@ def test_identical_block_aligned_requests_do_not_crash_and_match() -> None:
     assert tokens["b"] == reference_output(prompt, sched_sampling(8), 256, 64, NEVER_EOS)
 
 
-def test_multi_step_round_shrinks_to_one_step_when_a_prefill_waits() -> None:
-    sched, [worker] = _make(num_scheduler_steps=8)
+def test_multi_step_round_admits_whole_prefills_and_shrinks_for_chunks() -> None:
+    sched, [worker] = _make(num_scheduler_steps=8, max_num_batched_tokens=16)
     sink = UpdateSink()
     sched.add_request(_req("a", [5, 6, 7], max_tokens=50), sink)
     first = sched.schedule()[0]
-    assert first.num_steps == 1  # its own prefill
+    assert first.num_steps == 8, "a whole prefill joins an n-step round: it samples, then decodes"
+    assert [n.request_id for n in first.new_requests] == ["a"] and first.num_scheduled_tokens == [3]
     second = sched.schedule()[0]  # pipelined while the worker runs the first
     assert second.num_steps == 8 and second.num_scheduled_tokens == [1]
-    sched.add_request(_req("b", [8, 9]), sink)
+    sched.add_request(_req("b", list(range(4, 34)), max_tokens=50), sink)  # 30 tokens > budget 16
     assert 0 not in sched.schedule(), "two rounds in flight: no third"
     worker.submit(first)
     worker.submit(second)
+    for _ in range(2):
+        for out in worker.run_round():
+            sched.update_from_output(0, out, sink)
+    third = sched.schedule()[0]
+    assert third.num_steps == 1, "b needs chunking: chunks run in 1-step rounds"
+    assert [n.request_id for n in third.new_requests] == ["b"] and third.num_scheduled_tokens == [15, 1]
+    worker.submit(third)
     for out in worker.run_round():
         sched.update_from_output(0, out, sink)
-    third = sched.schedule()[0]
-    assert third.num_steps == 1 and [n.request_id for n in third.new_requests] == ["b"]
+    fourth = sched.schedule()[0]
+    assert fourth.num_steps == 1, "b is still mid-prefill"
+    worker.submit(fourth)
+    for out in worker.run_round():
+        sched.update_from_output(0, out, sink)
+    assert sched.schedule()[0].num_steps == 8, "prefill done: back to n steps"
 
 
 def test_multi_step_round_is_cut_to_the_tokens_still_wanted() -> None:
     sched, [worker] = _make(num_scheduler_steps=8)
     sink = UpdateSink()
     sched.add_request(_req("a", [5, 6, 7], max_tokens=4), sink)
-    worker.submit(sched.schedule()[0])
+    sched.add_request(_req("b", [8, 9], max_tokens=11), sink)
+    first = sched.schedule()[0]
+    assert first.num_steps == 4, "cut to the 4 tokens the waiting head wants"
+    worker.submit(first)
     for out in worker.run_round():
         sched.update_from_output(0, out, sink)
-    assert sched.schedule()[0].num_steps == 3
+    assert sched.schedule()[0].num_steps == 7, "a is done; b still wants 11 - 4"
 
 
 def test_abort_frees_blocks_now_and_tells_the_worker_next_round() -> None:
@@ -295,7 +310,7 @@ def test_request_state_round_trips_through_a_plain_dict() -> None:
     assert back.all_token_ids == [5, 6, 7, 11] and back.sampling == request.sampling
 
 
-def test_priority_admission_into_full_running_set_uses_a_single_step_round() -> None:
+def test_priority_admission_into_full_running_set_preempts_in_the_next_round() -> None:
     sched, [worker] = _make(num_scheduler_steps=8, max_num_seqs=1, enable_priority_preemption=True)
     sink = UpdateSink()
     sched.add_request(_req("low", [5, 6, 7], max_tokens=50), sink)
@@ -309,5 +324,6 @@ def test_priority_admission_into_full_running_set_uses_a_single_step_round() -> 
         sched.update_from_output(0, out, sink)
     sched.add_request(_req("high", [8, 9], priority=1), sink)
     rnd = sched.schedule()[0]
-    assert rnd.num_steps == 1 and [n.request_id for n in rnd.new_requests] == ["high"]
+    assert [n.request_id for n in rnd.new_requests] == ["high"], "admitted at once, whole prefill in step 0"
+    assert rnd.num_steps == 8 and rnd.num_scheduled_tokens == [2]
     assert rnd.finished_request_ids == ["low"]
