@@ -7,7 +7,6 @@ import asyncio
 import os
 import random
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -107,9 +106,22 @@ def test_several_workers(tiny_models: dict[str, Path]) -> None:
 
 
 def _descendants(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    children = [int(p) for p in out.split()]
-    return children + [g for c in children for g in _descendants(c)]
+    """Every process below `pid`, from /proc (no dependency on ps)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
 
 
 def test_sigterm_stops_every_process(tiny_models: dict[str, Path]) -> None:
