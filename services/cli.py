@@ -43,6 +43,8 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache budget per CPU worker")
     parser.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
+    parser.add_argument("--host-services-nice", type=int, default=10,
+                        help="niceness of frontend and scheduler, so the worker keeps its cores (0: off)")
 
 
 def _flags(args: argparse.Namespace, names: Sequence[str]) -> tuple[str, ...]:
@@ -65,6 +67,7 @@ def _serve(args: argparse.Namespace) -> int:
         config = ServeConfig(
             model=args.model, host=args.host, port=args.port, grpc_port=args.grpc_port,
             num_workers=args.workers, served_model_name=args.served_model_name,
+            host_services_nice=args.host_services_nice,
             worker_args=_flags(args, worker_flags), scheduler_args=_flags(args, scheduler_flags),
         )
     except ValueError as exc:

@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          "decode steps per round when no prefill is pending (multi-step)"),
         ("--max-inflight-rounds", "MAX_INFLIGHT_ROUNDS", defaults.max_inflight_rounds,
          "rounds sent ahead to a worker (2 = pipelined)"),
+        ("--pipeline-quiet-rounds", "PIPELINE_QUIET_ROUNDS", defaults.pipeline_quiet_rounds,
+         "rounds without admissions before a multi-step round is sent ahead (0 = always)"),
     ):
         parser.add_argument(flag, type=int, default=int(_env(env, str(default))), help=f"{help_text} [SPINDLE_{env}]")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -72,6 +74,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_priority_preemption=args.enable_priority_preemption,
         max_inflight_rounds=args.max_inflight_rounds,
+        pipeline_quiet_rounds=args.pipeline_quiet_rounds,
         worker_ready_timeout_s=args.worker_ready_timeout_s,
         stats_interval_s=args.stats_interval_s,
     )

@@ -25,6 +25,8 @@ class SchedulerConfig:
         enable_priority_preemption: a waiting request may preempt running lower-priority ones.
         max_inflight_rounds: rounds sent to a worker whose last step has not come back
             (2 = plan and send round k+1 while the worker runs round k).
+        pipeline_quiet_rounds: a multi-step round is sent ahead only after this many rounds
+            admitted no request (a round sent ahead delays arrivals by n steps; 0 = always).
         worker_ready_timeout_s: give up waiting for a worker's GetWorkerInfo after this long
             (0 waits forever).
         stats_interval_s: period of the INFO counters log while busy.
@@ -34,10 +36,11 @@ class SchedulerConfig:
     worker_addresses: tuple[str, ...] = (DEFAULT_WORKER_ADDRS,)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    num_scheduler_steps: int = 1
+    num_scheduler_steps: int = 8
     enable_prefix_caching: bool = True
     enable_priority_preemption: bool = False
     max_inflight_rounds: int = 2
+    pipeline_quiet_rounds: int = 2
     worker_ready_timeout_s: float = 0.0
     stats_interval_s: float = 10.0
 
@@ -49,6 +52,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
+        if self.pipeline_quiet_rounds < 0:
+            raise ValueError(f"{self.pipeline_quiet_rounds=} must be >= 0")
         if self.worker_ready_timeout_s < 0:
             raise ValueError(f"{self.worker_ready_timeout_s=} must be >= 0")
         if self.stats_interval_s <= 0:

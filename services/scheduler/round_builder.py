@@ -176,6 +176,7 @@ class _Plan:
                 request.num_computed_tokens = step0_end
             request.num_inflight_rounds += 1
             record.entries.append(InflightEntry(request, step0_end, e.samples))
+        ws.rounds_since_admission = 0 if rnd.new_requests else ws.rounds_since_admission + 1
         rnd.finished_request_ids = ws.take_finished_ids()
         ws.next_round_id += 1
         ws.num_rounds += 1

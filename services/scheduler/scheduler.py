@@ -129,9 +129,9 @@ class Scheduler:
     def schedule(self) -> dict[int, ExecuteRound]:
         """The next round for every worker that may take one and has work."""
         rounds: dict[int, ExecuteRound] = {}
-        max_inflight = self.config.max_inflight_rounds
+        max_inflight, quiet = self.config.max_inflight_rounds, self.config.pipeline_quiet_rounds
         for ws in self.workers:
-            if not ws.can_take_round(max_inflight):
+            if not ws.can_take_round(max_inflight, quiet):
                 continue
             rnd = self._builder.build(ws) if ws.kv is not None else build_pooling_round(ws, self.config)
             if rnd is not None:

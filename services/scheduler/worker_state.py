@@ -77,13 +77,27 @@ class WorkerState:
         self.is_alive = True
         self.num_preemptions = 0
         self.num_rounds = 0
+        # Rounds built since one admitted a request: a measure of whether requests are arriving.
+        self.rounds_since_admission = 0
 
     @property
     def load(self) -> int:
         return len(self.requests)
 
-    def can_take_round(self, max_inflight_rounds: int) -> bool:
-        return self.is_alive and len(self.inflight) < max_inflight_rounds
+    def can_take_round(self, max_inflight_rounds: int, quiet_rounds: int) -> bool:
+        """Whether to build a round now (pipelining: while up to max_inflight_rounds run).
+
+        A round sent ahead hides the scheduler round trip, but a request arriving meanwhile
+        waits for it to finish. For 1-step rounds that costs one step; for n-step rounds it
+        costs n steps of an idle slot per arrival, which measured worse than the round trip
+        while requests keep arriving. So a multi-step round is sent ahead only when no round
+        admitted a request in the last `quiet_rounds` rounds and nobody waits.
+        """
+        if not self.is_alive or len(self.inflight) >= max_inflight_rounds:
+            return False
+        if not self.inflight or self.inflight[-1].num_steps == 1 or quiet_rounds == 0:
+            return True
+        return self.rounds_since_admission >= quiet_rounds and not self.waiting
 
     def add(self, request: Request) -> None:
         request.worker_index = self.index

@@ -36,6 +36,7 @@ class HarnessSpec:
     abort_prob: float = 0.03  # per tick
     enable_priority_preemption: bool = False
     enable_prefix_caching: bool = True
+    pipeline_quiet_rounds: int = 0  # always pipeline: rounds in flight are what the invariants stress
     eos_period: int = 50
     max_ticks: int = 50_000
 
@@ -72,7 +73,8 @@ class Harness:
         self.config = SchedulerConfig(
             max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
             num_scheduler_steps=spec.num_scheduler_steps, enable_prefix_caching=spec.enable_prefix_caching,
-            enable_priority_preemption=spec.enable_priority_preemption)
+            enable_priority_preemption=spec.enable_priority_preemption,
+            pipeline_quiet_rounds=spec.pipeline_quiet_rounds)
         self.scheduler = Scheduler(self.config, [w.info for w in self.workers])
         for ws, worker in zip(self.scheduler.workers, self.workers, strict=True):
             self._guard_cache_blocks(ws.kv, worker)

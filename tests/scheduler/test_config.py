@@ -19,7 +19,7 @@ def _parse(argv: list[str]) -> SchedulerConfig:
 def test_defaults() -> None:
     config = _parse([])
     assert config.listen == "0.0.0.0:50052" and config.worker_addresses == ("127.0.0.1:50061",)
-    assert (config.max_num_seqs, config.max_num_batched_tokens, config.num_scheduler_steps) == (256, 2048, 1)
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.num_scheduler_steps) == (256, 2048, 8)
     assert config.enable_prefix_caching and not config.enable_priority_preemption
     assert config.max_inflight_rounds == 2
 

@@ -9,6 +9,7 @@ from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.updates import RequestUpdate, UpdateSink
 from shared.errors import ErrorKind
+from shared.execute import ExecuteRound
 from shared.sampling import SamplingOptions
 from shared.types import RequestKind, StopReason
 from tests.scheduler.fake_worker import EOS_TOKEN_ID, FakeWorker, reference_output
@@ -20,6 +21,7 @@ def _make(num_blocks: int = 64, block_size: int = 4, num_workers: int = 1, eos_p
           max_model_len: int = 256, **config: object) -> tuple[Scheduler, list[FakeWorker]]:
     workers = [FakeWorker(num_blocks, block_size, eos_period=eos_period, max_model_len=max_model_len)
                for _ in range(num_workers)]
+    config.setdefault("num_scheduler_steps", 1)  # single-step unless a test is about multi-step
     return Scheduler(SchedulerConfig(**config), [w.info for w in workers]), workers  # type: ignore[arg-type]
 
 
@@ -156,6 +158,14 @@ def test_identical_block_aligned_requests_do_not_crash_and_match() -> None:
     assert tokens["b"] == reference_output(prompt, sched_sampling(8), 256, 64, NEVER_EOS)
 
 
+def _run_all(sched: Scheduler, worker: FakeWorker, sink: UpdateSink, *rounds: ExecuteRound) -> None:
+    for rnd in rounds:
+        worker.submit(rnd)
+    for _ in rounds:
+        for out in worker.run_round():
+            sched.update_from_output(0, out, sink)
+
+
 def test_multi_step_round_admits_whole_prefills_and_shrinks_for_chunks() -> None:
     sched, [worker] = _make(num_scheduler_steps=8, max_num_batched_tokens=16)
     sink = UpdateSink()
@@ -163,26 +173,25 @@ def test_multi_step_round_admits_whole_prefills_and_shrinks_for_chunks() -> None
     first = sched.schedule()[0]
     assert first.num_steps == 8, "a whole prefill joins an n-step round: it samples, then decodes"
     assert [n.request_id for n in first.new_requests] == ["a"] and first.num_scheduled_tokens == [3]
-    second = sched.schedule()[0]  # pipelined while the worker runs the first
+    assert 0 not in sched.schedule(), "requests are arriving: no n-step round is sent ahead"
+    _run_all(sched, worker, sink, first)
+    second = sched.schedule()[0]
     assert second.num_steps == 8 and second.num_scheduled_tokens == [1]
-    sched.add_request(_req("b", list(range(4, 34)), max_tokens=50), sink)  # 30 tokens > budget 16
-    assert 0 not in sched.schedule(), "two rounds in flight: no third"
-    worker.submit(first)
-    worker.submit(second)
-    for _ in range(2):
-        for out in worker.run_round():
-            sched.update_from_output(0, out, sink)
+    assert 0 not in sched.schedule(), "one quiet round is not yet quiet enough"
+    _run_all(sched, worker, sink, second)
     third = sched.schedule()[0]
-    assert third.num_steps == 1, "b needs chunking: chunks run in 1-step rounds"
-    assert [n.request_id for n in third.new_requests] == ["b"] and third.num_scheduled_tokens == [15, 1]
-    worker.submit(third)
-    for out in worker.run_round():
-        sched.update_from_output(0, out, sink)
     fourth = sched.schedule()[0]
-    assert fourth.num_steps == 1, "b is still mid-prefill"
-    worker.submit(fourth)
-    for out in worker.run_round():
-        sched.update_from_output(0, out, sink)
+    assert fourth.num_steps == 8, "two quiet rounds: the next one is sent ahead (pipelined)"
+    assert 0 not in sched.schedule(), "two rounds in flight: no more"
+    sched.add_request(_req("b", list(range(4, 34)), max_tokens=50), sink)  # 30 tokens > budget 16
+    _run_all(sched, worker, sink, third, fourth)
+    chunk = sched.schedule()[0]
+    assert chunk.num_steps == 1, "b needs chunking: chunks run in 1-step rounds"
+    assert [n.request_id for n in chunk.new_requests] == ["b"] and chunk.num_scheduled_tokens == [15, 1]
+    _run_all(sched, worker, sink, chunk)
+    last_chunk = sched.schedule()[0]
+    assert last_chunk.num_steps == 1, "b is still mid-prefill"
+    _run_all(sched, worker, sink, last_chunk)
     assert sched.schedule()[0].num_steps == 8, "prefill done: back to n steps"
 
 
