@@ -17,10 +17,10 @@ from services.worker.attention.base import (
     LayerAttentionSpec,
 )
 
-# name -> "module:class"; modules are imported on first use only.
+# name -> "module:factory" (a callable taking block_size); modules are imported on first use only.
 ATTENTION_BACKENDS: dict[str, str] = {
-    "sdpa": "services.worker.attention.sdpa:SdpaBackend",
-    "naive": "services.worker.attention.naive:NaiveBackend",
+    "sdpa": "services.worker.attention.sdpa:create",
+    "naive": "services.worker.attention.naive:create",
     "flash-attn": "services.worker.attention.flash_attn:FlashAttnBackend",
 }
 
@@ -52,6 +52,5 @@ def resolve_backend_name(name: str, device_type: str) -> str:
 
 def create_backend(name: str, block_size: int) -> AttentionBackend:
     """Instantiate a backend by (resolved) name."""
-    module_name, class_name = ATTENTION_BACKENDS[name].split(":")
-    backend_cls = getattr(importlib.import_module(module_name), class_name)
-    return backend_cls(block_size)
+    module_name, factory_name = ATTENTION_BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module_name), factory_name)(block_size)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.attention.base import AttentionBackend, LayerAttentionSpec
-from services.worker.attention.padded import PaddedMetadata, PaddedMetadataBuilder, padded_forward
+from services.worker.attention.padded import PaddedBackend
 
 
 def _naive(
@@ -19,22 +18,6 @@ def _naive(
     return (probs @ v).to(q.dtype)
 
 
-class NaiveBackend(AttentionBackend):
-    name = "naive"
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-
-    def metadata_builder(self) -> PaddedMetadataBuilder:
-        return PaddedMetadataBuilder(self.block_size)
-
-    def forward(
-        self,
-        spec: LayerAttentionSpec,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor | None,
-        metadata: PaddedMetadata,
-    ) -> torch.Tensor:
-        return padded_forward(_naive, spec, query, key, value, kv_cache, metadata)
+def create(block_size: int) -> PaddedBackend:
+    """The `naive` backend: padded groups through explicit matmul, mask and softmax in float32."""
+    return PaddedBackend("naive", _naive, block_size)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from services.worker.attention.base import (
+    AttentionBackend,
     AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
@@ -140,6 +141,29 @@ class PaddedMetadataBuilder(AttentionMetadataBuilder):
         if block_tables is None:
             return None
         return block_tables[:, : -(-key_len // self.block_size)]
+
+
+class PaddedBackend(AttentionBackend):
+    """A backend over padded groups; backends of this kind differ only in their kernel."""
+
+    def __init__(self, name: str, kernel: Kernel, block_size: int) -> None:
+        self.name = name
+        self.kernel = kernel
+        self.block_size = block_size
+
+    def metadata_builder(self) -> PaddedMetadataBuilder:
+        return PaddedMetadataBuilder(self.block_size)
+
+    def forward(
+        self,
+        spec: LayerAttentionSpec,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        metadata: PaddedMetadata,
+    ) -> torch.Tensor:
+        return padded_forward(self.kernel, spec, query, key, value, kv_cache, metadata)
 
 
 def padded_forward(

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from services.worker.attention.base import AttentionBackend, LayerAttentionSpec
-from services.worker.attention.padded import PaddedMetadata, PaddedMetadataBuilder, padded_forward
+from services.worker.attention.padded import PaddedBackend
 
 
 def _sdpa(
@@ -15,22 +14,6 @@ def _sdpa(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
-class SdpaBackend(AttentionBackend):
-    name = "sdpa"
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-
-    def metadata_builder(self) -> PaddedMetadataBuilder:
-        return PaddedMetadataBuilder(self.block_size)
-
-    def forward(
-        self,
-        spec: LayerAttentionSpec,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor | None,
-        metadata: PaddedMetadata,
-    ) -> torch.Tensor:
-        return padded_forward(_sdpa, spec, query, key, value, kv_cache, metadata)
+def create(block_size: int) -> PaddedBackend:
+    """The `sdpa` backend: padded groups through torch's fused scaled_dot_product_attention."""
+    return PaddedBackend("sdpa", _sdpa, block_size)
