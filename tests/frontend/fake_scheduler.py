@@ -58,6 +58,13 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
     running: dict[str, FakeRequest] = field(default_factory=dict)
     _break: asyncio.Event = field(default_factory=asyncio.Event)
 
+    async def wait_for_abort(self, timeout_s: float = 5.0) -> list[str]:
+        """The aborted ids once at least one abort arrived (aborts travel asynchronously)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not self.aborted and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        return self.aborted
+
     async def GetSchedulerInfo(self, request: scheduler_pb2.GetSchedulerInfoRequest,  # noqa: N802
                                context: grpc.aio.ServicerContext) -> scheduler_pb2.GetSchedulerInfoResponse:
         return scheduler_pb2.GetSchedulerInfoResponse(

@@ -109,11 +109,7 @@ async def test_client_cancel_aborts_the_request_in_the_scheduler(stub: Stub, fak
         assert response.HasField("chunk")
         break
     call.cancel()
-    for _ in range(200):
-        if fake.aborted:
-            break
-        await asyncio.sleep(0.01)
-    assert fake.aborted == [fake.added[0].request_id]
+    assert await fake.wait_for_abort() == [fake.added[0].request_id]
     assert not fake.running
 
 
@@ -163,7 +159,7 @@ async def test_request_timeout_aborts_with_finish_reason_abort(tokenizer_dir: ob
                 model=MODEL_NAME, text="hello", sampling=pb.SamplingParams(max_tokens=100)))
         assert last.complete.finish_reason == pb.FINISH_REASON_ABORT
         assert 0 < len(chunks) < 5
-        assert fake.aborted == [fake.added[0].request_id]
+        assert await fake.wait_for_abort() == [fake.added[0].request_id]
     finally:
         await server.stop(0)
 

@@ -160,11 +160,7 @@ async def test_client_disconnect_during_stream_aborts_the_request(http_url: str,
         resp = await session.post(http_url + "/v1/completions", json=body)
         await resp.content.readline()  # the first event arrived: the request is running
         resp.close()  # drop the connection mid-stream
-    for _ in range(200):
-        if fake.aborted:
-            break
-        await asyncio.sleep(0.01)
-    assert fake.aborted == [fake.added[0].request_id]
+    assert await fake.wait_for_abort() == [fake.added[0].request_id]
     assert not fake.running
 
 
@@ -174,8 +170,4 @@ async def test_client_disconnect_before_any_output_aborts_the_request(http_url: 
     async with aiohttp.ClientSession() as session:
         with pytest.raises(asyncio.TimeoutError):
             await session.post(http_url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=0.1))
-    for _ in range(100):
-        if fake.aborted:
-            break
-        await asyncio.sleep(0.01)
-    assert fake.aborted == [fake.added[0].request_id]
+    assert await fake.wait_for_abort() == [fake.added[0].request_id]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import random
 
 from services.frontend.server import Frontend
@@ -91,11 +90,7 @@ async def test_stop_string_ends_generation_and_aborts_in_scheduler(
     assert complete.matched_stop == "world,"
     assert complete.usage.completion_tokens == len(ids) < 100
     assert not any("w" in p for p in pieces)  # no part of the stop string ever left
-    for _ in range(100):
-        if fake.aborted:
-            break
-        await asyncio.sleep(0.01)
-    assert fake.aborted == [fake.added[0].request_id]
+    assert await fake.wait_for_abort() == [fake.added[0].request_id]
     assert not fake.running
 
 
