@@ -9,19 +9,16 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.worker.__main__ import SERVICE_NAME
 from services.worker.config import WorkerConfig
-from services.worker.round_pipeline import RoundPipeline
-from services.worker.servicer import WorkerServicer
 from services.worker.step_output import PooledStep
 from services.worker.worker import Worker
 from shared.errors import InvalidArgumentError
 from shared.execute import ExecuteRound, NewRequestData, PoolingRequestData, StepOutput
-from shared.execute_wire import round_to_proto, step_from_proto, worker_info_from_proto
-from shared.grpc_server import start_grpc
+from shared.execute_wire import step_from_proto, worker_info_from_proto
 from shared.pb.spindle.v1 import worker_pb2, worker_pb2_grpc
 from shared.sampling import SamplingOptions
 from shared.types import RequestKind
+from tests.worker.grpc_worker import as_requests, serve_worker
 
 CLS, SEP = 101, 102  # MiniLM's [CLS] / [SEP]
 
@@ -112,24 +109,8 @@ def test_pooling_worker_rejects_generate_requests_and_duplicates(minilm_worker: 
 
 @pytest.fixture
 async def pooling_stub(minilm_worker: Worker) -> AsyncIterator[worker_pb2_grpc.WorkerServiceStub]:
-    servicer = WorkerServicer()
-    service = await start_grpc(
-        "127.0.0.1:0",
-        lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, s),
-        [SERVICE_NAME],
-    )
-    pipeline = RoundPipeline(minilm_worker.runner)
-    servicer.attach(minilm_worker.info, pipeline)
-    await service.set_serving([SERVICE_NAME])
-    async with grpc.aio.insecure_channel(service.address) as channel:
-        yield worker_pb2_grpc.WorkerServiceStub(channel)
-    await service.server.stop(0)
-    pipeline.close()
-
-
-async def _requests(rounds: list[ExecuteRound]) -> AsyncIterator[worker_pb2.ExecuteRequest]:
-    for round_ in rounds:
-        yield round_to_proto(round_)
+    async with serve_worker(minilm_worker) as stub:
+        yield stub
 
 
 async def test_servicer_streams_pooled_outputs(
@@ -141,7 +122,7 @@ async def test_servicer_streams_pooled_outputs(
         ExecuteRound(0, pooling_requests=[_embed("a", 6), _embed("b", 12)]),
         ExecuteRound(1, pooling_requests=[_embed("c", 3)], finished_request_ids=["a", "b"]),
     ]
-    steps = [step_from_proto(m) async for m in pooling_stub.Execute(_requests(rounds))]
+    steps = [step_from_proto(m) async for m in pooling_stub.Execute(as_requests(rounds))]
     assert [(s.round_id, s.is_last_step, list(s.pooled)) for s in steps] == [(0, True, ["a", "b"]), (1, True, ["c"])]
     direct = _run(minilm_worker, rounds[0])[0].pooled
     assert steps[0].pooled["b"] == pytest.approx(direct["b"], abs=1e-6)  # float32 on the wire
@@ -153,7 +134,7 @@ async def test_servicer_rejects_generate_rounds_on_a_pooling_worker(
     generate = NewRequestData("g", [CLS, SEP], 2, 0, [0], SamplingOptions())
     rounds = [ExecuteRound(0, new_requests=[generate], num_scheduled_tokens=[2])]
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        async for _ in pooling_stub.Execute(_requests(rounds)):
+        async for _ in pooling_stub.Execute(as_requests(rounds)):
             pass
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "cannot run generate requests" in err.value.details()

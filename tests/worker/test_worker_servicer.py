@@ -12,42 +12,24 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.worker.__main__ import SERVICE_NAME, add_arguments, config_from_args
+from services.worker.__main__ import add_arguments, config_from_args
 from services.worker.config import WorkerConfig
-from services.worker.round_pipeline import RoundPipeline
-from services.worker.servicer import WorkerServicer
 from services.worker.worker import Worker
 from shared.execute import CachedRequestData, ExecuteRound, NewRequestData, PoolingRequestData
 from shared.execute_wire import round_to_proto, step_from_proto, worker_info_from_proto
-from shared.grpc_server import start_grpc
 from shared.pb.spindle.v1 import worker_pb2, worker_pb2_grpc
 from shared.sampling import SamplingOptions
 from shared.types import RequestKind
+from tests.worker.grpc_worker import as_requests, serve_worker
 
 PROMPT = [0, 17, 99, 250, 311, 45, 46, 47]
 
 
 @pytest.fixture
 async def stub(llama_dir: Path) -> AsyncIterator[worker_pb2_grpc.WorkerServiceStub]:
-    servicer = WorkerServicer()
-    service = await start_grpc(
-        "127.0.0.1:0",
-        lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, s),
-        [SERVICE_NAME],
-    )
     worker = Worker(WorkerConfig(model=str(llama_dir), kv_cache_bytes=4 * 2**20, num_threads=2))
-    pipeline = RoundPipeline(worker.runner)
-    servicer.attach(worker.info, pipeline)
-    await service.set_serving([SERVICE_NAME])
-    async with grpc.aio.insecure_channel(service.address) as channel:
-        yield worker_pb2_grpc.WorkerServiceStub(channel)
-    await service.server.stop(0)
-    pipeline.close()
-
-
-async def _requests(rounds: list[ExecuteRound]) -> AsyncIterator[worker_pb2.ExecuteRequest]:
-    for round_ in rounds:
-        yield round_to_proto(round_)
+    async with serve_worker(worker) as worker_stub:
+        yield worker_stub
 
 
 async def test_worker_info_reports_model_and_kv_capacity(stub: worker_pb2_grpc.WorkerServiceStub) -> None:
@@ -75,7 +57,7 @@ async def test_execute_stream_runs_rounds_in_order(
             round_id=1, num_steps=2, cached_requests=CachedRequestData(["a"], [[9]]), num_scheduled_tokens=[1]
         ),
     ]
-    steps = [step_from_proto(m) async for m in stub.Execute(_requests(rounds))]
+    steps = [step_from_proto(m) async for m in stub.Execute(as_requests(rounds))]
     assert [(s.round_id, s.step_index, s.is_last_step) for s in steps] == [
         (0, 0, False),
         (0, 1, True),
@@ -103,7 +85,7 @@ async def test_malformed_round_aborts_stream_with_clear_status(
         ExecuteRound(round_id=1, cached_requests=CachedRequestData(["nope"], [[]]), num_scheduled_tokens=[1]),
         ExecuteRound(round_id=2, cached_requests=CachedRequestData(["a"], [[]]), num_scheduled_tokens=[1]),
     ]
-    call = stub.Execute(_requests(rounds))
+    call = stub.Execute(as_requests(rounds))
     received = []
     with pytest.raises(grpc.aio.AioRpcError) as err:
         async with asyncio.timeout(20):
@@ -113,14 +95,14 @@ async def test_malformed_round_aborts_stream_with_clear_status(
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "round 1 failed" in err.value.details() and "unknown request id 'nope'" in err.value.details()
     # The next stream starts from clean state and works.
-    steps = [m async for m in stub.Execute(_requests(rounds[:1]))]
+    steps = [m async for m in stub.Execute(as_requests(rounds[:1]))]
     assert len(steps) == 1 and list(steps[0].request_ids) == ["a"]
 
 
 async def test_generative_worker_rejects_pooling_rounds(stub: worker_pb2_grpc.WorkerServiceStub) -> None:
     rounds = [ExecuteRound(round_id=0, pooling_requests=[PoolingRequestData("e", RequestKind.EMBED, PROMPT)])]
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        async for _ in stub.Execute(_requests(rounds)):
+        async for _ in stub.Execute(as_requests(rounds)):
             pass
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "cannot run pooling requests" in err.value.details()
@@ -153,7 +135,7 @@ async def test_second_concurrent_stream_is_rejected(stub: worker_pb2_grpc.Worker
     assert (await first.read()).is_last_step  # the first stream is live
     with pytest.raises(grpc.aio.AioRpcError) as err:
         async with asyncio.timeout(10):
-            async for _ in stub.Execute(_requests([ExecuteRound(round_id=0)])):
+            async for _ in stub.Execute(as_requests([ExecuteRound(round_id=0)])):
                 pass
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "another Execute stream is active" in err.value.details()

@@ -1,0 +1,43 @@
+"""Serve a `Worker` over loopback gRPC for tests, exactly as `services.worker.__main__` wires it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.worker.__main__ import SERVICE_NAME
+from services.worker.round_pipeline import RoundPipeline
+from services.worker.servicer import WorkerServicer
+from services.worker.worker import Worker
+from shared.execute import ExecuteRound
+from shared.execute_wire import round_to_proto
+from shared.grpc_server import start_grpc
+from shared.pb.spindle.v1 import worker_pb2, worker_pb2_grpc
+
+
+@contextlib.asynccontextmanager
+async def serve_worker(worker: Worker) -> AsyncIterator[worker_pb2_grpc.WorkerServiceStub]:
+    """A stub for `worker` served on a free port; the server stops when the block ends."""
+    servicer = WorkerServicer()
+    service = await start_grpc(
+        "127.0.0.1:0",
+        lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+    )
+    pipeline = RoundPipeline(worker.runner)
+    servicer.attach(worker.info, pipeline)
+    await service.set_serving([SERVICE_NAME])
+    try:
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            yield worker_pb2_grpc.WorkerServiceStub(channel)
+    finally:
+        await service.server.stop(0)
+        pipeline.close()
+
+
+async def as_requests(rounds: list[ExecuteRound]) -> AsyncIterator[worker_pb2.ExecuteRequest]:
+    """The request stream of an Execute call carrying `rounds`."""
+    for round_ in rounds:
+        yield round_to_proto(round_)
