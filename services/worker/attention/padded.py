@@ -163,38 +163,26 @@ class PaddedBackend(AttentionBackend):
         kv_cache: torch.Tensor | None,
         metadata: PaddedMetadata,
     ) -> torch.Tensor:
-        return padded_forward(self.kernel, spec, query, key, value, kv_cache, metadata)
-
-
-def padded_forward(
-    kernel: Kernel,
-    spec: LayerAttentionSpec,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor | None,
-    metadata: PaddedMetadata,
-) -> torch.Tensor:
-    """Run `kernel` once per group and scatter the rows back into token order."""
-    common = metadata.common
-    if kv_cache is not None and common.slot_mapping is not None:
-        write_kv(kv_cache, key, value, common.slot_mapping)
-    if len(metadata.groups) == 1 and metadata.groups[0].token_index is None:
-        group = metadata.groups[0]  # all decode: row i is token i
-        k, v = _gather_cache(kv_cache, group)
-        return _run(kernel, spec, query[:, None], k, v, group, common.causal)[:, 0]
-    out = query.new_empty(query.shape)
-    for group in metadata.groups:
-        assert group.token_index is not None and group.out_tokens is not None
-        q = query[group.token_index]
-        if group.block_tables is not None:
+        """Run the kernel once per group and scatter the rows back into token order."""
+        common = metadata.common
+        if kv_cache is not None and common.slot_mapping is not None:
+            write_kv(kv_cache, key, value, common.slot_mapping)
+        if len(metadata.groups) == 1 and metadata.groups[0].token_index is None:
+            group = metadata.groups[0]  # all decode: row i is token i
             k, v = _gather_cache(kv_cache, group)
-        else:
-            k, v = key[group.token_index], value[group.token_index]
-        result = _run(kernel, spec, q, k, v, group, common.causal)  # [N, Lq, H, D]
-        flat = result.reshape(-1, *result.shape[2:])
-        out[group.out_tokens] = flat if group.out_select is None else flat[group.out_select]
-    return out
+            return _run(self.kernel, spec, query[:, None], k, v, group, common.causal)[:, 0]
+        out = query.new_empty(query.shape)
+        for group in metadata.groups:
+            assert group.token_index is not None and group.out_tokens is not None
+            q = query[group.token_index]
+            if group.block_tables is not None:
+                k, v = _gather_cache(kv_cache, group)
+            else:
+                k, v = key[group.token_index], value[group.token_index]
+            result = _run(self.kernel, spec, q, k, v, group, common.causal)  # [N, Lq, H, D]
+            flat = result.reshape(-1, *result.shape[2:])
+            out[group.out_tokens] = flat if group.out_select is None else flat[group.out_select]
+        return out
 
 
 def _gather_cache(kv_cache: torch.Tensor | None, group: PaddedGroup) -> tuple[torch.Tensor, torch.Tensor]:
