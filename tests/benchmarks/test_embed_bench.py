@@ -18,6 +18,7 @@ from benchmarks.embed_bench import SPINDLE, SPINDLE_BATCHED, EmbedSettings, plan
 from benchmarks.embed_client import EmbeddingSender, cosine_rows, make_batches
 from benchmarks.embed_report import ST, EmbedRow, format_table, ratio_to_st, row_from_load, rows_to_json
 from benchmarks.load_client import LoadConfig, run_load
+from tests.benchmarks.mock_http import serve_app
 
 DIM = 4
 
@@ -61,13 +62,8 @@ async def mock_server() -> AsyncIterator[tuple[str, MockEmbeddings]]:
     app = web.Application()
     app[MOCK] = mock
     app.router.add_post("/v1/embeddings", _embeddings)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # aiohttp has no public getter
-    yield f"http://127.0.0.1:{port}", mock
-    await runner.cleanup()
+    async with serve_app(app) as url:
+        yield url, mock
 
 
 SENTENCES = [f"sentence {i}" for i in range(5)]

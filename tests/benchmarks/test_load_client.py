@@ -19,6 +19,7 @@ from aiohttp import web
 from benchmarks.load_client import LoadConfig, run_load, run_with_warmup
 from benchmarks.metrics import LatencyStats, RequestResult, summarize
 from benchmarks.workload import BenchRequest, WorkloadSpec, build_workload
+from tests.benchmarks.mock_http import serve_app
 
 FIRST_TOKEN_DELAY_S = 0.03
 TOKEN_GAP_S = 0.01
@@ -78,13 +79,8 @@ async def mock_server() -> AsyncIterator[tuple[str, MockState]]:
     app = web.Application()
     app[STATE] = state
     app.router.add_post("/v1/completions", _completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # aiohttp has no public getter
-    yield f"http://127.0.0.1:{port}", state
-    await runner.cleanup()
+    async with serve_app(app) as url:
+        yield url, state
 
 
 def _requests(n: int, max_tokens: int) -> list[BenchRequest]:
