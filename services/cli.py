@@ -91,7 +91,7 @@ def run_service(name: str, module: ServiceModule, argv: Sequence[str] | None = N
         parser = argparse.ArgumentParser(prog=f"spindle {name}", description=f"spindle {name} service")
         module.add_arguments(parser)
     args = parser.parse_args(argv)
-    setup_logging(name)
+    setup_logging(name, fmt=args.log_format)
     try:
         config = module.config_from_args(args)
     except ValueError as exc:

@@ -44,6 +44,7 @@ class PoolingRequestData:
     token_ids: list[int]
     token_type_ids: list[int] = field(default_factory=list)
     normalize: bool = False
+    traceparent: str = ""
 
 
 @dataclass(slots=True)

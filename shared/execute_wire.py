@@ -89,6 +89,7 @@ def round_to_proto(r: ExecuteRound) -> worker_pb2.ExecuteRequest:
                 token_ids=p.token_ids,
                 token_type_ids=p.token_type_ids,
                 normalize=p.normalize,
+                traceparent=p.traceparent,
             )
             for p in r.pooling_requests
         ],
@@ -128,6 +129,7 @@ def round_from_proto(msg: worker_pb2.ExecuteRequest) -> ExecuteRound:
                 token_ids=list(p.token_ids),
                 token_type_ids=list(p.token_type_ids),
                 normalize=p.normalize,
+                traceparent=p.traceparent,
             )
             for p in msg.pooling_requests
         ],

@@ -12,6 +12,8 @@ import sys
 from services.frontend.config import FrontendConfig
 from services.frontend.server import Frontend
 from shared.grpc_server import wait_for_shutdown
+from shared.service_flags import add_observability_arguments, metrics_port_from_args
+from shared.tracing import Tracing
 
 
 def _env(name: str, default: str) -> str:
@@ -37,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="abort requests running longer than this; 0: never [SPINDLE_REQUEST_TIMEOUT_S]")
     parser.add_argument("--tokenizer-threads", type=int, default=int(_env("TOKENIZER_THREADS", "1")),
                         help="threads tokenizing off the event loop [SPINDLE_TOKENIZER_THREADS]")
+    add_observability_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> FrontendConfig:
@@ -50,12 +53,14 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         default_max_tokens=args.default_max_tokens,
         request_timeout_s=args.request_timeout_s,
         tokenizer_threads=args.tokenizer_threads,
+        metrics_port=metrics_port_from_args(args),
+        log_requests=args.log_requests,
     )
 
 
 async def serve(config: FrontendConfig) -> None:
     """Serve gRPC and HTTP until SIGTERM/SIGINT; health turns SERVING once the scheduler is ready."""
-    frontend = Frontend(config)
+    frontend = Frontend(config, Tracing.from_env("frontend"))
     await frontend.start()
     assert frontend.grpc is not None
     await wait_for_shutdown(frontend.grpc, on_stop=frontend.stop_http)

@@ -25,6 +25,8 @@ class FrontendConfig:
         request_timeout_s: a request still running after this long is aborted (0: never).
         scheduler_backoff_max_s: longest wait between attempts to (re)connect to the scheduler.
         tokenizer_threads: threads that tokenize off the event loop.
+        metrics_port: port of the Prometheus /metrics endpoint (None: off; 0: a free port).
+        log_requests: log prompts and outputs (never by default).
     """
 
     model: str
@@ -37,15 +39,17 @@ class FrontendConfig:
     request_timeout_s: float = 600.0
     scheduler_backoff_max_s: float = 5.0
     tokenizer_threads: int = 1
+    metrics_port: int | None = None
+    log_requests: bool = False
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must name a model directory")
         if not self.served_model_name:
             object.__setattr__(self, "served_model_name", os.path.basename(self.model.rstrip("/")))
-        for name in ("http_port", "grpc_port"):
+        for name in ("http_port", "grpc_port", "metrics_port"):
             port = getattr(self, name)
-            if not 0 <= port <= 65535:
+            if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name}={port} is not a TCP port")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens={self.default_max_tokens} must be at least 1")

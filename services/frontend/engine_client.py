@@ -26,12 +26,13 @@ from services.frontend.messages import (
     TokenizeResult,
 )
 from services.frontend.output_processor import OutputProcessor
+from services.frontend.telemetry import FrontendTelemetry, RequestTelemetry
 from services.frontend.tokenizer import Tokenizer
 from services.frontend.validation import check_model, check_prompt, check_sampling, resolve_sampling
 
 if TYPE_CHECKING:  # the gRPC client is injected; this module never imports grpc
     from services.frontend.scheduler_client import SchedulerClient
-from shared.errors import InvalidArgumentError
+from shared.errors import InvalidArgumentError, SpindleError
 from shared.types import RequestKind
 
 
@@ -42,6 +43,7 @@ class PreparedRequest:
     add: AddRequest
     stop: tuple[str, ...]
     skip_special_tokens: bool
+    telemetry: RequestTelemetry
 
     @property
     def request_id(self) -> str:
@@ -52,11 +54,12 @@ class EngineClient:
     """Generation, tokenization and model listing on top of the scheduler connection."""
 
     def __init__(self, config: FrontendConfig, tokenizer: Tokenizer, scheduler: SchedulerClient,
-                 defaults: GenerationDefaults | None = None) -> None:
+                 defaults: GenerationDefaults | None = None, telemetry: FrontendTelemetry | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.defaults = defaults or GenerationDefaults()
+        self.telemetry = telemetry or FrontendTelemetry(config.served_model_name)
 
     @property
     def model_name(self) -> str:
@@ -70,49 +73,75 @@ class EngineClient:
 
     async def prepare(self, request: GenerateInput) -> PreparedRequest:
         """Validate and tokenize; raises a typed error naming the bad field."""
-        check_model(request.model, self.model_name)
-        info = await self.scheduler.get_info()
-        if info.task != RequestKind.GENERATE:
-            raise InvalidArgumentError(
-                f"model {self.model_name!r} does not support text generation (task {info.task.name.lower()})"
-            )
-        check_sampling(request.sampling, info.vocab_size)
-        prompt_token_ids = await self._prompt_token_ids(request)
-        check_prompt(prompt_token_ids, info)
-        options = resolve_sampling(request.sampling, len(prompt_token_ids), info, self.defaults,
-                                   self.config.default_max_tokens)
+        operation = "chat" if request.messages is not None else "text_completion"
+        telemetry = self.telemetry.start(operation, request.traceparent)
+        try:
+            return await self._prepare(request, telemetry)
+        except BaseException as exc:
+            telemetry.fail(exc)
+            raise
+
+    async def _prepare(self, request: GenerateInput, telemetry: RequestTelemetry) -> PreparedRequest:
+        with telemetry.phase("validate"):
+            check_model(request.model, self.model_name)
+            info = await self.scheduler.get_info()
+            if info.task != RequestKind.GENERATE:
+                raise InvalidArgumentError(
+                    f"model {self.model_name!r} does not support text generation (task {info.task.name.lower()})"
+                )
+            check_sampling(request.sampling, info.vocab_size)
+        with telemetry.phase("tokenize"):
+            prompt_token_ids = await self._prompt_token_ids(request)
+        with telemetry.phase("validate_prompt"):
+            check_prompt(prompt_token_ids, info)
+            options = resolve_sampling(request.sampling, len(prompt_token_ids), info, self.defaults,
+                                       self.config.default_max_tokens)
         timeout_s = self.config.request_timeout_s
         add = AddRequest(
             request_id=request.request_id or uuid.uuid4().hex,
             prompt_token_ids=prompt_token_ids,
             sampling=options,
             priority=request.priority,
-            traceparent=request.traceparent,
+            traceparent=telemetry.traceparent,
             deadline_unix_s=time.time() + timeout_s if timeout_s else 0.0,
         )
-        return PreparedRequest(add, tuple(request.sampling.stop), request.skip_special_tokens)
+        telemetry.accepted(add)
+        return PreparedRequest(add, tuple(request.sampling.stop), request.skip_special_tokens, telemetry)
 
     async def run(self, prepared: PreparedRequest) -> AsyncIterator[GenerateEvent]:
         """Submit and stream: a `GenerateChunk` per step with new output, then a `GenerateComplete`."""
-        add = prepared.add
+        add, telemetry = prepared.add, prepared.telemetry
         processor = OutputProcessor(add.request_id, self.tokenizer.decode, self.tokenizer.token_text,
                                     add.prompt_token_ids, add.sampling, prepared.stop,
                                     prepared.skip_special_tokens)
         loop = asyncio.get_running_loop()
         timeout_s = self.config.request_timeout_s
         deadline = loop.time() + timeout_s if timeout_s else None
-        async with self.scheduler.submit(add) as stream:
-            while not processor.is_finished:
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        updates = await anext(stream)
-                except TimeoutError:
-                    chunk = processor.abort()
-                else:
-                    chunk = processor.process(updates)
-                if chunk is not None:
-                    yield chunk
-        yield processor.complete()
+        try:
+            async with self.scheduler.submit(add) as stream:
+                while not processor.is_finished:
+                    try:
+                        async with asyncio.timeout_at(deadline):
+                            updates = await anext(stream)
+                    except TimeoutError:
+                        chunk = processor.abort()
+                    else:
+                        started = time.perf_counter()
+                        chunk = processor.process(updates)
+                        if chunk is not None:
+                            telemetry.on_chunk(chunk, time.perf_counter() - started)
+                    if chunk is not None:
+                        yield chunk
+            complete = processor.complete()
+        except BaseException as exc:
+            # A failed request, or a client that left (GeneratorExit / cancellation): an abort.
+            if isinstance(exc, SpindleError):
+                telemetry.fail(exc)
+            else:
+                telemetry.finish(processor.abort_complete())
+            raise
+        telemetry.finish(complete)
+        yield complete
 
     async def _prompt_token_ids(self, request: GenerateInput) -> list[int]:
         if request.messages is not None:

@@ -191,6 +191,7 @@ class EmbedInput:
     truncate: bool = False  # cut over-long inputs instead of rejecting them
     normalize: bool | None = None  # None: as the model is configured
     priority: int = 0
+    traceparent: str = ""
 
 
 @dataclass(slots=True)
@@ -201,6 +202,7 @@ class ScoreInput:
     pairs: list[tuple[str, str]] = field(default_factory=list)
     truncate: bool = False
     priority: int = 0
+    traceparent: str = ""
 
 
 @dataclass(slots=True)

@@ -59,6 +59,7 @@ def parse_embeddings(data: object) -> tuple[EmbedInput, str]:
 
 async def embeddings(request: web.Request) -> web.Response:
     embed, encoding = parse_embeddings(parse_json(await request.read()))
+    embed.traceparent = request.headers.get("traceparent", "")
     result = await request.app[POOLING].embed(embed)
     encode = ENCODINGS[encoding]
     data = [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(result.vectors)]
@@ -73,9 +74,9 @@ def _texts(body: JsonObject, name: str) -> list[str]:
     return values
 
 
-def _score_input(body: JsonObject, pairs: list[tuple[str, str]]) -> ScoreInput:
+def _score_input(request: web.Request, body: JsonObject, pairs: list[tuple[str, str]]) -> ScoreInput:
     return ScoreInput(model=body.get_str("model") or "", pairs=pairs, truncate=body.get_bool("truncate"),
-                      priority=body.get_int("priority") or 0)
+                      priority=body.get_int("priority") or 0, traceparent=request.headers.get("traceparent", ""))
 
 
 async def score(request: web.Request) -> web.Response:
@@ -88,7 +89,7 @@ async def score(request: web.Request) -> web.Response:
         raise InvalidArgumentError(f"text_1 has {len(queries)} texts and text_2 {len(documents)}: give one text_1, "
                                    "or as many as text_2")
     pooling = request.app[POOLING]
-    result = await pooling.score(_score_input(body, list(zip(queries, documents, strict=True))))
+    result = await pooling.score(_score_input(request, body, list(zip(queries, documents, strict=True))))
     data = [{"index": i, "object": "score", "score": v[0]} for i, v in enumerate(result.vectors)]
     return web.json_response({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                               "model": pooling.model_name, "data": data, "usage": _usage(result.usage)})
@@ -102,7 +103,7 @@ async def rerank(request: web.Request) -> web.Response:
         raise InvalidArgumentError("query is required")
     documents = _texts(body, "documents")
     pooling = request.app[POOLING]
-    result = await pooling.score(_score_input(body, [(query, d) for d in documents]))
+    result = await pooling.score(_score_input(request, body, [(query, d) for d in documents]))
     ranked = rank([v[0] for v in result.vectors], sort=True, top_n=body.get_int("top_n") or 0)
     results = [{"index": i, "document": {"text": documents[i]}, "relevance_score": s} for i, s in ranked]
     return web.json_response({"id": f"rerank-{uuid.uuid4().hex}", "model": pooling.model_name,

@@ -111,6 +111,12 @@ class OutputProcessor:
         text = self._flush()
         return GenerateChunk(self.request_id, [], text) if text else None
 
+    def abort_complete(self) -> GenerateComplete:
+        """The `GenerateComplete` of a request abandoned early (the client left)."""
+        if self.finish_reason is None:
+            self.finish_reason = FinishReason.ABORT
+        return self.complete()
+
     def complete(self) -> GenerateComplete:
         assert self.finish_reason is not None, "complete() before the request finished"
         return GenerateComplete(

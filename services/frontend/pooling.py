@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,7 @@ from services.frontend.messages import (
     ScoreInput,
     Usage,
 )
+from services.frontend.telemetry import FrontendTelemetry, RequestTelemetry
 from services.frontend.tokenizer import Encoded, Tokenizer
 from services.frontend.validation import check_model, check_token_ids
 
@@ -59,13 +61,32 @@ class PoolingClient:
     """Embed and Score on top of the scheduler connection."""
 
     def __init__(self, model_name: str, tokenizer: Tokenizer, scheduler: SchedulerClient,
-                 normalize_default: bool = False) -> None:
+                 normalize_default: bool = False, telemetry: FrontendTelemetry | None = None) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.normalize_default = normalize_default
+        self.telemetry = telemetry or FrontendTelemetry(model_name)
 
     async def embed(self, request: EmbedInput) -> PoolingResult:
+        return await self._traced("embeddings", request.traceparent, lambda t: self._embed(request, t))
+
+    async def score(self, request: ScoreInput) -> PoolingResult:
+        return await self._traced("score", request.traceparent, lambda t: self._score(request, t))
+
+    async def _traced(self, operation: str, traceparent: str,
+                      work: Callable[[RequestTelemetry], Awaitable[PoolingResult]]) -> PoolingResult:
+        """Run `work` inside one request span; its inputs' scheduler requests are its children."""
+        telemetry = self.telemetry.start(operation, traceparent)
+        try:
+            result = await work(telemetry)
+        except BaseException as exc:
+            telemetry.fail(exc)
+            raise
+        telemetry.finish_with("stop", result.usage)
+        return result
+
+    async def _embed(self, request: EmbedInput, telemetry: RequestTelemetry) -> PoolingResult:
         info = await self._check_task(request.model, RequestKind.EMBED)
         limit = info.max_total_tokens
         if request.token_ids is not None:
@@ -74,12 +95,12 @@ class PoolingClient:
             texts = _non_empty(request.texts or [], "input")
             encoded = await self.tokenizer.encode_batch(texts, limit if request.truncate else None)
         _check_lengths(encoded, limit, "input")
-        result = await self._run(RequestKind.EMBED, encoded, request.priority)
+        result = await self._run(RequestKind.EMBED, encoded, request.priority, telemetry.traceparent)
         if request.normalize if request.normalize is not None else self.normalize_default:
             result.vectors = [_l2_normalize(v) for v in result.vectors]
         return result
 
-    async def score(self, request: ScoreInput) -> PoolingResult:
+    async def _score(self, request: ScoreInput, telemetry: RequestTelemetry) -> PoolingResult:
         info = await self._check_task(request.model, RequestKind.SCORE)
         if not request.pairs:
             raise InvalidArgumentError("documents is empty: give at least one document to score")
@@ -88,7 +109,7 @@ class PoolingClient:
         limit = info.max_total_tokens
         encoded = await self.tokenizer.encode_pairs(request.pairs, limit if request.truncate else None)
         _check_lengths(encoded, limit, "documents")
-        result = await self._run(RequestKind.SCORE, encoded, request.priority)
+        result = await self._run(RequestKind.SCORE, encoded, request.priority, telemetry.traceparent)
         result.vectors = [[_sigmoid(v[0])] if len(v) == 1 else v for v in result.vectors]
         return result
 
@@ -100,7 +121,8 @@ class PoolingClient:
                                        f"(it serves {TASK_NAMES[info.task]})")
         return info
 
-    async def _run(self, kind: RequestKind, encoded: list[Encoded], priority: int) -> PoolingResult:
+    async def _run(self, kind: RequestKind, encoded: list[Encoded], priority: int,
+                   traceparent: str) -> PoolingResult:
         """Submit every input (one batched message), wait for all pooled outputs, in input order."""
         batch_id = uuid.uuid4().hex
         streams: list[RequestStream] = []
@@ -109,7 +131,7 @@ class PoolingClient:
                 streams.append(self.scheduler.submit(AddRequest(
                     request_id=f"{kind.name.lower()}-{batch_id}-{i}", prompt_token_ids=item.token_ids,
                     sampling=SamplingOptions(max_tokens=1), kind=kind, priority=priority,
-                    token_type_ids=item.token_type_ids)))
+                    token_type_ids=item.token_type_ids, traceparent=traceparent)))
             finals = await asyncio.gather(*(_final_update(s) for s in streams))
         finally:
             for stream in streams:

@@ -17,11 +17,15 @@ from services.frontend.config import FrontendConfig
 from services.frontend.engine_client import EngineClient
 from services.frontend.generation_defaults import GenerationDefaults
 from services.frontend.http_app import build_app, start_http
+from services.frontend.metrics import FrontendMetrics
 from services.frontend.pooling import PoolingClient, model_normalizes
 from services.frontend.scheduler_client import SchedulerClient
 from services.frontend.servicer import SERVICE_NAME, register
+from services.frontend.telemetry import FrontendTelemetry
 from services.frontend.tokenizer import Tokenizer
 from shared.grpc_server import GrpcService, start_grpc
+from shared.metrics import MetricsServer, serve_metrics
+from shared.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -29,14 +33,18 @@ logger = logging.getLogger(__name__)
 class Frontend:
     """One running frontend replica. `start()`, then `stop()`; addresses are known after start."""
 
-    def __init__(self, config: FrontendConfig) -> None:
+    def __init__(self, config: FrontendConfig, tracing: Tracing | None = None) -> None:
         self.config = config
+        self.tracing = tracing or Tracing.disabled()
+        self.metrics = FrontendMetrics(config.served_model_name)
+        telemetry = FrontendTelemetry(config.served_model_name, self.tracing, self.metrics, config.log_requests)
         self.tokenizer = Tokenizer(config.model, config.tokenizer_threads)
         self.scheduler = SchedulerClient(config.scheduler_addr, backoff_max_s=config.scheduler_backoff_max_s)
         self.engine = EngineClient(config, self.tokenizer, self.scheduler,
-                                   GenerationDefaults.from_model_dir(config.model))
+                                   GenerationDefaults.from_model_dir(config.model), telemetry)
         self.pooling = PoolingClient(config.served_model_name, self.tokenizer, self.scheduler,
-                                     model_normalizes(config.model))
+                                     model_normalizes(config.model), telemetry)
+        self.metrics_server: MetricsServer | None = None
         self.grpc: GrpcService | None = None
         self.http_runner: web.AppRunner | None = None
         self.http_address = ""
@@ -48,6 +56,9 @@ class Frontend:
         return self.grpc.address
 
     async def start(self) -> None:
+        if self.config.metrics_port is not None:
+            self.metrics_server = await serve_metrics(self.metrics.registry, self.config.host,
+                                                      self.config.metrics_port)
         self.grpc = await start_grpc(self.config.grpc_address, register(self.engine, self.pooling), [SERVICE_NAME])
         self.http_runner, self.http_address = await start_http(build_app(self.engine, self.pooling), self.config.host,
                                                                self.config.http_port)
@@ -84,3 +95,6 @@ class Frontend:
             await self.grpc.server.stop(grace_s)
         await self.scheduler.close()
         self.tokenizer.close()
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
+        self.tracing.shutdown()

@@ -48,11 +48,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def Embed(self, request: generation_pb2.EmbedRequest,  # noqa: N802
                     context: grpc.aio.ServicerContext) -> generation_pb2.EmbedResponse:
-        return wire.embed_to_proto(await self._pooling.embed(wire.embed_input_from_proto(request)))
+        embed = wire.embed_input_from_proto(request)
+        embed.traceparent = _traceparent(context)
+        return wire.embed_to_proto(await self._pooling.embed(embed))
 
     async def Score(self, request: generation_pb2.ScoreRequest,  # noqa: N802
                     context: grpc.aio.ServicerContext) -> generation_pb2.ScoreResponse:
-        result = await self._pooling.score(wire.score_input_from_proto(request))
+        score = wire.score_input_from_proto(request)
+        score.traceparent = _traceparent(context)
+        result = await self._pooling.score(score)
         return wire.score_to_proto(rank([v[0] for v in result.vectors], request.sort, request.top_n), result.usage)
 
 

@@ -14,9 +14,14 @@ import sys
 
 from services.scheduler.config import DEFAULT_LISTEN, DEFAULT_WORKER_ADDRS, SchedulerConfig
 from services.scheduler.engine_loop import EngineLoop
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.servicer import SERVICE_NAME, register
+from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.worker_client import WorkerClient
 from shared.grpc_server import start_grpc, wait_for_shutdown
+from shared.metrics import serve_metrics
+from shared.service_flags import add_observability_arguments, metrics_port_from_args
+from shared.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stats-interval-s", type=float,
                         default=float(_env("STATS_INTERVAL_S", str(defaults.stats_interval_s))),
                         help="period of the counters log while busy [SPINDLE_STATS_INTERVAL_S]")
+    add_observability_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
@@ -77,14 +83,21 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         pipeline_quiet_rounds=args.pipeline_quiet_rounds,
         worker_ready_timeout_s=args.worker_ready_timeout_s,
         stats_interval_s=args.stats_interval_s,
+        metrics_port=metrics_port_from_args(args),
     )
 
 
 async def serve(config: SchedulerConfig) -> None:
     """Listen at once (GetSchedulerInfo says ready=False), turn SERVING once every worker is ready."""
     links = [WorkerClient(i, addr, config.worker_ready_timeout_s) for i, addr in enumerate(config.worker_addresses)]
-    engine = EngineLoop(config, links)
+    tracing = Tracing.from_env("scheduler")
+    # The lambda reads `engine` at scrape time: the scheduler exists once every worker is ready.
+    metrics = SchedulerMetrics(lambda: engine.scheduler)
+    engine = EngineLoop(config, links, observer=SchedulerTelemetry(tracing, metrics))
     svc = await start_grpc(config.listen, lambda server: register(server, engine), [SERVICE_NAME])
+    metrics_server = None
+    if config.metrics_port is not None:
+        metrics_server = await serve_metrics(metrics.registry, config.listen.rsplit(":", 1)[0], config.metrics_port)
     logger.info("listening on %s; waiting for %d worker(s): %s", svc.address, len(links),
                 ", ".join(config.worker_addresses))
 
@@ -108,6 +121,9 @@ async def serve(config: SchedulerConfig) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await starter
         await engine.stop()
+        if metrics_server is not None:
+            await metrics_server.stop()
+        tracing.shutdown()
 
     await wait_for_shutdown(svc, on_stop=on_stop)
     if failed:

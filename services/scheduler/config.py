@@ -30,6 +30,7 @@ class SchedulerConfig:
         worker_ready_timeout_s: give up waiting for a worker's GetWorkerInfo after this long
             (0 waits forever).
         stats_interval_s: period of the INFO counters log while busy.
+        metrics_port: port of the Prometheus /metrics endpoint (None: off; 0: a free port).
     """
 
     listen: str = DEFAULT_LISTEN
@@ -43,6 +44,7 @@ class SchedulerConfig:
     pipeline_quiet_rounds: int = 2
     worker_ready_timeout_s: float = 0.0
     stats_interval_s: float = 10.0
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if not self.worker_addresses:
@@ -58,3 +60,5 @@ class SchedulerConfig:
             raise ValueError(f"{self.worker_ready_timeout_s=} must be >= 0")
         if self.stats_interval_s <= 0:
             raise ValueError(f"{self.stats_interval_s=} must be > 0")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"{self.metrics_port=} is not a TCP port")

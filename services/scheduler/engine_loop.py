@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.info import SchedulerInfo
+from services.scheduler.observer import RequestObserver
 from services.scheduler.output_processor import ProtocolError
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
@@ -41,8 +42,9 @@ class EngineLoop:
     """Owns the Scheduler once every worker is ready; the servicer talks only to this."""
 
     def __init__(self, config: SchedulerConfig, links: Sequence[WorkerLink],
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, observer: RequestObserver | None = None) -> None:
         self.config = config
+        self.observer = observer
         self.links = list(links)
         self.scheduler: Scheduler | None = None
         self._clock = clock
@@ -59,7 +61,7 @@ class EngineLoop:
     async def start(self) -> None:
         """Wait for every worker, then open their streams and start scheduling."""
         infos = await asyncio.gather(*(link.wait_ready() for link in self.links))
-        self.scheduler = Scheduler(self.config, infos, [link.address for link in self.links])
+        self.scheduler = Scheduler(self.config, infos, [link.address for link in self.links], self.observer)
         for link in self.links:
             link.open(self._on_output, self._on_failure)
         self._task = asyncio.create_task(self._run(), name="engine-loop")

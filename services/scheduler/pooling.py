@@ -23,11 +23,13 @@ def build_pooling_round(ws: WorkerState, config: SchedulerConfig) -> ExecuteRoun
         budget -= request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
         ws.pooling_inflight[request.request_id] = request
+        ws.observer.on_admitted(request, ws.index, 0)
         rnd.pooling_requests.append(PoolingRequestData(
             request_id=request.request_id,
             kind=request.kind,
             token_ids=request.prompt_token_ids,
             token_type_ids=request.token_type_ids,
+            traceparent=request.span_traceparent or request.traceparent,
         ))
     if not rnd.pooling_requests:
         return None

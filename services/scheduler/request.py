@@ -79,6 +79,7 @@ class Request:
     num_inflight_tokens: int = field(init=False, default=0)
     num_inflight_rounds: int = field(init=False, default=0)
     is_on_worker: bool = field(init=False, default=False)  # the worker holds state for it
+    span_traceparent: str = field(init=False, default="")  # the scheduler's span for it, when tracing
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]

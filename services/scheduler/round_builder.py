@@ -159,7 +159,7 @@ class _Plan:
                     num_computed_tokens=start,
                     block_ids=list(e.new_block_ids),
                     sampling=request.sampling,
-                    traceparent=request.traceparent,
+                    traceparent=request.span_traceparent or request.traceparent,
                 ))
                 request.is_on_worker = True
             else:

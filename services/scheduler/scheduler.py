@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.info import SchedulerInfo, SchedulerStats
+from services.scheduler.observer import RequestObserver
 from services.scheduler.output_processor import OutputProcessor
 from services.scheduler.placement import choose_worker
 from services.scheduler.pooling import build_pooling_round
@@ -38,10 +39,11 @@ class Scheduler:
         config: limits and feature switches.
         worker_infos: what each worker reported (same model, task and block size on all).
         worker_addresses: for messages only.
+        observer: lifecycle hooks for spans and metrics (none: no telemetry).
     """
 
     def __init__(self, config: SchedulerConfig, worker_infos: Sequence[WorkerInfo],
-                 worker_addresses: Sequence[str] = ()) -> None:
+                 worker_addresses: Sequence[str] = (), observer: RequestObserver | None = None) -> None:
         if not worker_infos:
             raise ValueError("the scheduler needs at least one worker")
         first = worker_infos[0]
@@ -53,7 +55,7 @@ class Scheduler:
         self.task = first.task
         self.model_id = first.model_id
         self.max_model_len = min(info.max_model_len for info in worker_infos)
-        self.workers = [WorkerState(i, addresses[i], info, config.enable_prefix_caching)
+        self.workers = [WorkerState(i, addresses[i], info, config.enable_prefix_caching, observer)
                         for i, info in enumerate(worker_infos)]
         self.max_request_tokens = self._max_request_tokens(worker_infos)
         self.requests: dict[str, Request] = {}
@@ -136,6 +138,7 @@ class Scheduler:
             rnd = self._builder.build(ws) if ws.kv is not None else build_pooling_round(ws, self.config)
             if rnd is not None:
                 rounds[ws.index] = rnd
+                ws.observer.on_round(ws.index, rnd, len(ws.inflight[-1].sampler_ids))
         return rounds
 
     def update_from_output(self, worker_index: int, output: StepOutput, sink: UpdateSink) -> None:

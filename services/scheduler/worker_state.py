@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.scheduler.kv_block_manager import KVBlockManager
+from services.scheduler.observer import RequestObserver
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.request_queue import WaitingQueue
 from shared.execute import WorkerInfo
@@ -58,8 +59,10 @@ class WorkerState:
         listing it in `finished_request_ids` is built.
     """
 
-    def __init__(self, index: int, address: str, info: WorkerInfo, enable_prefix_caching: bool) -> None:
+    def __init__(self, index: int, address: str, info: WorkerInfo, enable_prefix_caching: bool,
+                 observer: RequestObserver | None = None) -> None:
         self.index = index
+        self.observer = observer or RequestObserver()
         self.address = address
         self.info = info
         self.kv: KVBlockManager | None = (
@@ -103,6 +106,7 @@ class WorkerState:
         request.worker_index = self.index
         self.requests[request.request_id] = request
         self.waiting.push(request)
+        self.observer.on_added(request, self.index)
 
     def admit(self, request: Request, num_computed_tokens: int) -> None:
         """Waiting -> running (the caller already allocated its blocks)."""
@@ -111,6 +115,7 @@ class WorkerState:
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_computed_tokens
         bisect.insort(self.running, request, key=running_order)
+        self.observer.on_admitted(request, self.index, num_computed_tokens)
 
     def preempt(self, request: Request) -> None:
         """Free the request's blocks; it is re-added later with prompt + generated tokens.
@@ -131,6 +136,7 @@ class WorkerState:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._forget_on_worker(request)
+        self.observer.on_preempted(request, self.index)
         logger.debug("preempted on worker %d after %d output tokens (%d rounds in flight)", self.index,
                      request.num_output_tokens, request.num_inflight_rounds,
                      extra={"request_id": request.request_id})
@@ -157,6 +163,7 @@ class WorkerState:
         request.status = RequestStatus.FINISHED
         request.stop_reason = reason
         del self.requests[request.request_id]
+        self.observer.on_finished(request, reason, self.index)
         logger.debug("finished on worker %d: %s, %d output tokens", self.index,
                      reason.name if reason is not None else "error", request.num_output_tokens,
                      extra={"request_id": request.request_id})

@@ -1,0 +1,39 @@
+"""`RequestObserver`: the hooks a request's life calls, for spans and metrics outside the policy code.
+
+`WorkerState` calls them as it moves a request (added, admitted, preempted, finished), the
+output processor at a request's first token and the scheduler once per round sent. The base
+class does nothing, so the scheduler core runs the same with or without telemetry;
+`telemetry.SchedulerTelemetry` records spans and metrics. Hooks run per request event or per
+round, never per token.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.scheduler.request import Request
+    from shared.execute import ExecuteRound
+    from shared.types import StopReason
+
+
+class RequestObserver:
+    """No-op hooks; override the ones you need."""
+
+    def on_added(self, request: Request, worker_index: int) -> None:
+        """Accepted and queued on a worker."""
+
+    def on_admitted(self, request: Request, worker_index: int, num_hit_tokens: int) -> None:
+        """Waiting -> running: blocks allocated (`num_hit_tokens` found in the prefix cache)."""
+
+    def on_preempted(self, request: Request, worker_index: int) -> None:
+        """Blocks freed; it will recompute prompt + output when re-admitted."""
+
+    def on_first_token(self, request: Request) -> None:
+        """Its first output token came back from the worker."""
+
+    def on_finished(self, request: Request, reason: StopReason | None, worker_index: int) -> None:
+        """Stopped, aborted (reason ABORTED) or failed (reason None)."""
+
+    def on_round(self, worker_index: int, round_: ExecuteRound, num_samplers: int) -> None:
+        """A round was sent; `num_samplers` requests decode in each of its steps after step 0."""
