@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import uvloop
 
-from shared.logs import setup_logging
+from shared.logs import LOG_FORMATS, setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,11 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
     parser.add_argument("--host-services-nice", type=int, default=10,
                         help="niceness of frontend and scheduler, so the worker keeps its cores (0: off)")
+    parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("SPINDLE_METRICS_PORT", "9400")),
+                        help="Prometheus /metrics: frontend on this port, scheduler +1, worker i +2+i; 0: off")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default=os.environ.get("SPINDLE_LOG_FORMAT", "text"),
+                        help="text (key=value) or json (one object per line), for every service")
+    parser.add_argument("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
 
 
 def _flags(args: argparse.Namespace, names: Sequence[str]) -> tuple[str, ...]:
@@ -67,7 +72,9 @@ def _serve(args: argparse.Namespace) -> int:
         config = ServeConfig(
             model=args.model, host=args.host, port=args.port, grpc_port=args.grpc_port,
             num_workers=args.workers, served_model_name=args.served_model_name,
-            host_services_nice=args.host_services_nice,
+            host_services_nice=args.host_services_nice, metrics_port=args.metrics_port,
+            log_format=args.log_format,
+            frontend_args=("--log-requests",) if args.log_requests else (),
             worker_args=_flags(args, worker_flags), scheduler_args=_flags(args, scheduler_flags),
         )
     except ValueError as exc:
@@ -120,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             run_service(name, module, argv[1:], service_parser)
             return
     args = parser.parse_args(argv)
-    setup_logging(args.command)
+    setup_logging(args.command, fmt=args.log_format)
     sys.exit(_serve(args))
 
 

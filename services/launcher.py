@@ -41,10 +41,15 @@ class ServeConfig:
     # Lower priority lets the worker keep its cores; they run in its gaps (+12-15 % decode
     # throughput measured on 2 cores, see README). 0 turns it off.
     host_services_nice: int = 10
+    # Prometheus ports: frontend here, scheduler +1, worker i +2+i (0: no metrics).
+    metrics_port: int = 0
+    log_format: str = "text"
     ready_timeout_s: float = 600.0
     stop_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port <= 65535 - 2 - self.num_workers:
+            raise ValueError(f"metrics_port={self.metrics_port} leaves no room for {self.num_workers + 2} ports")
         if self.num_workers < 1:
             raise ValueError(f"num_workers={self.num_workers} must be at least 1")
         if not os.path.isdir(self.model):
@@ -66,8 +71,10 @@ class Launcher:
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         self._stopping = False
 
-    def _spawn(self, name: str, module: str, args: list[str], nice: int = 0) -> None:
-        cmd = [sys.executable, "-m", module, *args]
+    def _spawn(self, name: str, module: str, args: list[str], nice: int = 0, metrics_offset: int = 0) -> None:
+        cmd = [sys.executable, "-m", module, *args, "--log-format", self.config.log_format]
+        if self.config.metrics_port:
+            cmd += ["--metrics-port", str(self.config.metrics_port + metrics_offset)]
         logger.info("starting %s%s: %s", name, f" (nice {nice})" if nice else "", " ".join(cmd))
         self.children[name] = subprocess.Popen(cmd, preexec_fn=(lambda: os.nice(nice)) if nice else None)
 
@@ -77,10 +84,10 @@ class Launcher:
         scheduler_addr = f"127.0.0.1:{free_port()}"
         for i, addr in enumerate(worker_addrs):
             self._spawn(f"worker-{i}", "services.worker",
-                        ["--model", cfg.model, "--listen", addr, *cfg.worker_args])
+                        ["--model", cfg.model, "--listen", addr, *cfg.worker_args], metrics_offset=2 + i)
         self._spawn("scheduler", "services.scheduler",
                     ["--listen", scheduler_addr, "--workers-addr", ",".join(worker_addrs),
-                     *cfg.scheduler_args], nice=cfg.host_services_nice)
+                     *cfg.scheduler_args], nice=cfg.host_services_nice, metrics_offset=1)
         frontend = ["--model", cfg.model, "--scheduler-addr", scheduler_addr, "--host", cfg.host,
                     "--port", str(cfg.port), "--grpc-port", str(cfg.grpc_port)]
         if cfg.served_model_name:

@@ -17,9 +17,13 @@ import grpc
 from services.worker.config import DEFAULT_LISTEN, WorkerConfig
 from services.worker.round_pipeline import RoundPipeline
 from services.worker.servicer import WorkerServicer
+from services.worker.telemetry import WorkerTelemetry
 from services.worker.worker import Worker
 from shared.grpc_server import start_grpc, wait_for_shutdown
+from shared.metrics import serve_metrics
 from shared.pb.spindle.v1 import worker_pb2, worker_pb2_grpc
+from shared.service_flags import add_observability_arguments, metrics_port_from_args
+from shared.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
@@ -97,6 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=_optional_int(_env("NUM_THREADS", "")),
         help="torch CPU threads [SPINDLE_NUM_THREADS]",
     )
+    add_observability_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -113,6 +118,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
+        metrics_port=metrics_port_from_args(args),
     )
 
 
@@ -124,19 +130,29 @@ async def serve(config: WorkerConfig) -> None:
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
 
     service = await start_grpc(config.listen, register, [SERVICE_NAME])
+    telemetry = WorkerTelemetry(Tracing.from_env("worker"))
+    metrics_server = None
+    if config.metrics_port is not None:
+        # Up before the model loads, so a scrape tells "loading" (worker_ready 0) from "down".
+        metrics_server = await serve_metrics(telemetry.metrics.registry, config.listen.rsplit(":", 1)[0],
+                                             config.metrics_port)
     try:
         worker = await asyncio.to_thread(Worker, config)
     except BaseException:
         await service.server.stop(0)
         raise
-    pipeline = RoundPipeline(worker.runner)
+    pipeline = RoundPipeline(worker.runner, telemetry)
     servicer.attach(worker.info, pipeline)
     await service.set_serving([SERVICE_NAME])
+    telemetry.metrics.ready.set(1)
     logger.info("listening on %s", service.address)
     try:
         await wait_for_shutdown(service)
     finally:
         pipeline.close()
+        if metrics_server is not None:
+            await metrics_server.stop()
+        telemetry.tracing.shutdown()
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ class WorkerConfig:
         max_model_len: longest sequence; None = the model's max_position_embeddings, capped for
             sentence-transformers models by sentence_bert_config.json's max_seq_length.
         num_threads: torch CPU threads; None keeps torch's default.
+        metrics_port: port of the Prometheus /metrics endpoint (None: off; 0: a free port).
     """
 
     model: str
@@ -44,6 +45,7 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     num_threads: int | None = None
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -61,3 +63,5 @@ class WorkerConfig:
             raise ValueError(f"{self.max_model_len=} must be >= 1")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"{self.num_threads=} must be >= 1")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"{self.metrics_port=} is not a TCP port")

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from services.worker.step_output import StepResult
+from services.worker.telemetry import WorkerTelemetry
 from shared.errors import UnavailableError
 from shared.execute import ExecuteRound, StepOutput
 
@@ -43,10 +44,15 @@ class RoundFailedError(Exception):
 class RoundPipeline:
     """Serialises Execute streams onto the worker's compute thread (one stream at a time)."""
 
-    def __init__(self, runner: Runner) -> None:
+    def __init__(self, runner: Runner, telemetry: WorkerTelemetry | None = None) -> None:
         self.runner = runner
+        self.telemetry = telemetry or WorkerTelemetry()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spindle-compute")
         self._active = False
+
+    def _reset(self) -> None:
+        self.runner.reset()
+        self.telemetry.reset()
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -66,9 +72,17 @@ class RoundPipeline:
         def execute(round_: ExecuteRound) -> None:
             if failed.is_set():
                 return  # an earlier round failed: the state is no longer trustworthy
+            trace = self.telemetry.start_round(round_)
+
+            def on_timed_step(step: StepResult) -> None:
+                trace.step_done()
+                on_step(step)
+
             try:
-                self.runner.execute_round(round_, on_step)
+                self.runner.execute_round(round_, on_timed_step)
+                trace.end()
             except Exception as exc:
+                trace.end(exc)
                 failed.set()
                 logger.exception("round %d failed", round_.round_id)
                 loop.call_soon_threadsafe(queue.put_nowait, RoundFailedError(round_.round_id, exc))
@@ -88,7 +102,7 @@ class RoundPipeline:
             queue.put_nowait(None)
 
         try:
-            await loop.run_in_executor(self.executor, self.runner.reset)  # a stream starts from scratch
+            await loop.run_in_executor(self.executor, self._reset)  # a stream starts from scratch
             feeder = asyncio.create_task(feed())
             try:
                 while (item := await queue.get()) is not None:

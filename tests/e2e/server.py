@@ -33,12 +33,14 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def spindle_serve(model_dir: Path, *extra_args: str, timeout_s: float = 180.0) -> Iterator[RunningServer]:
+def spindle_serve(model_dir: Path, *extra_args: str, timeout_s: float = 180.0,
+                  extra_env: dict[str, str] | None = None) -> Iterator[RunningServer]:
     """Run `spindle serve` on free loopback ports until the block ends, then SIGTERM it."""
     http_port, grpc_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
-           "--port", str(http_port), "--grpc-port", str(grpc_port), *extra_args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPINDLE_LOG_LEVEL": os.environ.get("SPINDLE_LOG_LEVEL", "WARNING")}
+           "--port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", "0", *extra_args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPINDLE_LOG_LEVEL": os.environ.get("SPINDLE_LOG_LEVEL", "WARNING"),
+           **(extra_env or {})}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE)
     server = RunningServer(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", model_dir.name, proc)
     try:
