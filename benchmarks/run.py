@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from benchmarks.load_client import LoadConfig, run_with_warmup, warmup_spec
 from benchmarks.models import BENCH_MODELS, REPO, ensure_model
+from benchmarks.otlp_receiver import otlp_receiver
 from benchmarks.report import GENERATE, LIMIT, BenchRow, format_table, machine_info, plot_throughput, write_json
 from benchmarks.workload import BenchRequest, WorkloadSpec, build_workload
 
@@ -33,7 +34,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("benchmarks.run")
 
 RESULTS_DIR = REPO / "benchmarks" / "results"
-DEFAULT_CONFIGS = (LIMIT, GENERATE, "spindle")
+# "spindle-traced": spindle again with OpenTelemetry on (spans exported to a local OTLP
+# receiver), beside the untraced rows, to show what tracing costs when on and that off is free.
+TRACED = "spindle-traced"
+DEFAULT_CONFIGS = (LIMIT, GENERATE, "spindle", TRACED)
 DEFAULT_SCHEDULER_STEPS = (1, 8)
 
 
@@ -87,6 +91,7 @@ class Job:
     config: str
     concurrency: int
     scheduler_steps: int | None = None
+    traced: bool = False
 
 
 @dataclass(slots=True)
@@ -108,6 +113,10 @@ def plan(settings: BenchSettings) -> list[Job]:
         if "spindle" in settings.configs:
             for steps in settings.scheduler_steps:
                 jobs += [Job("spindle", model, f"spindle-steps{steps}", c, steps) for c in settings.concurrencies]
+        if TRACED in settings.configs:
+            steps = max(settings.scheduler_steps)
+            jobs += [Job("spindle", model, f"spindle-steps{steps}-traced", c, steps, traced=True)
+                     for c in settings.concurrencies]
         if settings.peer_url and settings.peer_model == model:
             jobs += [Job("peer", model, settings.peer_name, c) for c in settings.concurrencies]
     return jobs
@@ -146,9 +155,17 @@ def _run_spindle(job: Job, ctx: RunContext) -> BenchRow:
     model_dir = ensure_model(job.model)
     args = ("--num-scheduler-steps", str(job.scheduler_steps), *ctx.settings.spindle_args)
     log_path = RESULTS_DIR / f"{ctx.stem}-{job.model}-{job.config}-c{job.concurrency}.log"
-    with spindle_server(model_dir, *args, num_threads=ctx.settings.num_threads, log_path=log_path,
-                        timeout_s=ctx.settings.server_timeout_s) as server:
-        return _drive(job, ctx.settings, server.http_url, server.model_name)
+    if not job.traced:
+        with spindle_server(model_dir, *args, num_threads=ctx.settings.num_threads, log_path=log_path,
+                            timeout_s=ctx.settings.server_timeout_s) as server:
+            return _drive(job, ctx.settings, server.http_url, server.model_name)
+    with otlp_receiver() as receiver:
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{receiver.address}"}
+        with spindle_server(model_dir, *args, num_threads=ctx.settings.num_threads, log_path=log_path,
+                            timeout_s=ctx.settings.server_timeout_s, extra_env=env) as server:
+            row = _drive(job, ctx.settings, server.http_url, server.model_name)
+        logger.info("    %d spans received (the services flush theirs as they stop)", receiver.num_spans)
+    return row
 
 
 def _run_peer(job: Job, ctx: RunContext) -> BenchRow:
@@ -206,7 +223,8 @@ def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
     p.add_argument("--input-len", type=int, default=None)
     p.add_argument("--output-len", type=int, default=None)
     p.add_argument("--num-requests", type=int, default=None, help="fixed count (default: max(2*conc, 8))")
-    p.add_argument("--configs", type=_csv(str), default=DEFAULT_CONFIGS, help="subset of limit,generate,spindle")
+    p.add_argument("--configs", type=_csv(str), default=DEFAULT_CONFIGS,
+                   help="subset of limit,generate,spindle,spindle-traced")
     p.add_argument("--scheduler-steps", type=_csv(int), default=DEFAULT_SCHEDULER_STEPS)
     p.add_argument("--spindle-arg", action="append", default=[], help="extra flag for spindle serve (repeatable)")
     p.add_argument("--peer-url", default=None, help="another OpenAI-compatible server to include")

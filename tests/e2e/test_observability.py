@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.otlp_receiver import ReceivedSpan, otlp_receiver
 from shared.pb.spindle.v1 import generation_pb2, generation_pb2_grpc
 from tests.e2e.clients import grpc_channel
-from tests.e2e.otlp_receiver import ReceivedSpan, otlp_receiver
 from tests.e2e.server import RunningServer, spindle_serve
 
 pytestmark = pytest.mark.e2e

@@ -1,4 +1,4 @@
-"""A real OTLP/gRPC trace receiver on loopback: what a collector would see from the services."""
+"""A real OTLP/gRPC trace receiver on loopback: what a collector sees (tests check spans, benchmarks count them)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,11 @@ class OtlpReceiver:
     address: str
     spans: list[ReceivedSpan] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def num_spans(self) -> int:
+        with self.lock:
+            return len(self.spans)
 
     def wait_for(self, done: Callable[[list[ReceivedSpan]], bool], timeout_s: float = 20.0) -> list[ReceivedSpan]:
         """Poll until `done(spans)` holds; returns the spans received so far either way."""
