@@ -46,6 +46,8 @@ class FrontendMetrics:
                                         "Requests this frontend is streaming now", labels,
                                         registry=r).labels(model_name)
         self._model_name = model_name
+        for reason in ("stop", "length", "abort"):  # every series exists from start-up, at 0
+            self._success.labels(model_name, reason)
 
     def finished(self, reason: str) -> None:
         self._success.labels(self._model_name, reason).inc()
