@@ -1,4 +1,4 @@
-"""What the Dockerfile's final stage gives a container: entrypoint, environment, user, workdir.
+"""What the Dockerfile's final stage gives a container: entrypoint, command, environment, user, workdir.
 
 The wiring test runs the chart's containers as local processes; a container's process is the
 image's ENTRYPOINT plus the pod's args, in the image's environment overlaid by the pod's, so
@@ -49,6 +49,7 @@ def stages(path: Path = DOCKERFILE) -> list[list[tuple[str, str]]]:
 @dataclass
 class ImageConfig:
     entrypoint: list[str]
+    cmd: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     user: str = ""
     workdir: str = "/"
@@ -60,6 +61,8 @@ def final_image(path: Path = DOCKERFILE) -> ImageConfig:
     for keyword, rest in stages(path)[-1]:
         if keyword == "ENTRYPOINT":
             config.entrypoint = json.loads(rest)
+        elif keyword == "CMD":
+            config.cmd = json.loads(rest)
         elif keyword == "ENV":
             for pair in shlex.split(rest):
                 name, _, value = pair.partition("=")
