@@ -8,6 +8,7 @@ is in test_wiring.py.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import re
@@ -158,12 +159,13 @@ def test_scheduler_workers_addr_lists_each_stable_worker_name(replicas: int) -> 
     assert all(address in hook["spec"]["containers"][0]["args"] for address in expected)
 
 
-def _service_env_vars(component: str) -> set[str]:
+@functools.cache
+def _service_env_vars(component: str) -> frozenset[str]:
     """The SPINDLE_* variables `spindle <component>` reads, from its --help."""
     module = importlib.import_module(f"services.{component}.__main__")
     parser = argparse.ArgumentParser()
     module.add_arguments(parser)
-    return set(re.findall(r"\[(SPINDLE_[A-Z0-9_]+)\]", parser.format_help()))
+    return frozenset(re.findall(r"\[(SPINDLE_[A-Z0-9_]+)\]", parser.format_help()))
 
 
 def _config_variable(key: str) -> str:
