@@ -33,6 +33,7 @@ COPY shared shared
 # Same steps as `make protos`: protoc writes absolute imports, the sed makes them
 # package-relative so the code lives under shared/pb. grpcio-tools stays out of the venv.
 RUN pip install --no-cache-dir "$(grep -o 'grpcio-tools==[0-9.]*' pyproject.toml)" \
+    && mkdir -p shared/pb \
     && python -m grpc_tools.protoc -Iprotos --python_out=shared/pb --pyi_out=shared/pb \
         --grpc_python_out=shared/pb protos/spindle/v1/*.proto \
     && sed -i -E 's/^from spindle\.v1 import/from . import/' shared/pb/spindle/v1/*.py \

@@ -48,6 +48,8 @@ def test_protos_are_generated_as_make_protos_does() -> None:
     assert f"sed -i -E '{sed.group(1)}'" in dockerfile, "the Dockerfile must rewrite imports as `make protos` does"
     for out in ("--python_out", "--pyi_out", "--grpc_python_out"):
         assert out in dockerfile
+    # .dockerignore keeps the local shared/pb out of the context: protoc needs the directory made.
+    assert "mkdir -p shared/pb" in dockerfile
 
 
 def test_image_runs_spindle_as_the_chart_user() -> None:
