@@ -10,6 +10,7 @@ from __future__ import annotations
 import fnmatch
 import re
 import subprocess
+import tomllib
 
 import pytest
 import yaml
@@ -71,6 +72,12 @@ def test_final_stages_install_no_compiler() -> None:
             assert not found, f"stage {name} installs {found}"
 
 
+def _build_context_copies() -> set[str]:
+    """Sources the Dockerfile COPYs from the build context (not from another stage)."""
+    return {word.rstrip("/") for stage in stages() for keyword, rest in stage
+            if keyword == "COPY" and not rest.startswith("--from") for word in rest.split()[:-1]}
+
+
 def _ignored(path: str, patterns: list[str]) -> bool:
     """.dockerignore semantics for the patterns used: the last matching pattern wins."""
     ignored = False
@@ -87,11 +94,22 @@ def _ignored(path: str, patterns: list[str]) -> bool:
 def test_dockerignore_sends_what_the_build_copies_and_nothing_local() -> None:
     patterns = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
                 if line.strip() and not line.startswith("#")]
-    copied = [word for s in stages() for keyword, rest in s if keyword == "COPY" and not rest.startswith("--from")
-              for word in rest.split()[:-1]]
+    copied = _build_context_copies()
     assert copied, "the build stage copies nothing?"
-    for path in copied:
+    for path in sorted(copied):
         assert not _ignored(path, patterns), f"{path} is copied by the build but excluded by .dockerignore"
     for local in (".venv", ".git", ".models", "shared/pb/spindle/v1/worker_pb2.py", "services/__pycache__/cli.pyc",
                   "tests/e2e/conftest.py", "benchmarks/results/x.json", "helm/spindle/values.yaml"):
         assert _ignored(local, patterns), f"{local} would be sent to the build"
+
+
+def test_build_copies_every_package_pyproject_installs() -> None:
+    # A package added to the project but not copied into the build would be missing from the
+    # image only, where no test here runs.
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    patterns = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {p.name for p in REPO.iterdir() if (p / "__init__.py").exists()
+                and any(fnmatch.fnmatch(p.name, pattern) for pattern in patterns)}
+    copied = _build_context_copies()
+    assert packages and packages <= copied, f"not copied into the build: {packages - copied}"
+    assert {"pyproject.toml", project["project"]["readme"]} <= copied
