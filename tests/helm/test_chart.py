@@ -182,12 +182,6 @@ CHART_VARIABLES = {
 COMMON_VARIABLES = {"SPINDLE_LOG_FORMAT", "SPINDLE_LOG_LEVEL", "SPINDLE_LOG_REQUESTS", "SPINDLE_METRICS_PORT"}
 # Read outside argparse: shared/logs.py takes the level from the environment.
 READ_WITHOUT_FLAG = {"SPINDLE_LOG_LEVEL"}
-# Set by the chart, not yet read by the services (being built alongside). Once a service reads
-# one, its case reports XPASS: remove the entry then.
-NOT_YET_READ = {
-    ("scheduler", "SPINDLE_STATE_STORE"): "the scheduler's Redis state store is not built yet",
-    ("frontend", "SPINDLE_API_KEY_FILE"): "the frontend does not check API keys yet",
-}
 
 
 def _chart_variables() -> dict[str, set[str]]:
@@ -214,10 +208,7 @@ def test_the_chart_sets_no_spindle_variable_beyond_those_checked() -> None:
 
 
 @pytest.mark.parametrize(
-    ("component", "variable"),
-    [pytest.param(c, v, marks=pytest.mark.xfail(strict=False, reason=NOT_YET_READ[c, v])) if (c, v) in NOT_YET_READ
-     else (c, v) for c, names in _chart_variables().items() for v in sorted(names)],
-)
+    ("component", "variable"), [(c, v) for c, names in _chart_variables().items() for v in sorted(names)])
 def test_every_spindle_variable_the_chart_sets_is_read_by_the_service(component: str, variable: str) -> None:
     assert variable in _service_env_vars(component) | READ_WITHOUT_FLAG, (
         f"the chart sets {variable} for the {component}, which reads no such variable")
@@ -358,11 +349,14 @@ def test_model_volume_is_mounted_read_only_where_the_model_is_read(source: str) 
             assert {"name": "model", "mountPath": "/models"} in init["volumeMounts"], "the init container writes"
 
 
-def test_model_sources_that_cannot_work_are_refused() -> None:
+def test_values_that_cannot_work_are_refused() -> None:
     assert "set model.download.enabled=true" in render_error("model.volume.type=emptyDir")
     assert "model.volume.existingClaim is required" in render_error("model.volume.type=existingClaim")
     assert "worker/gpu" in render_error("worker.gpu=2"), "one worker per GPU"
     assert "additional properties" in render_error("worker.replica=2"), "a misspelt key is an error"
+    # The service must finish its own graceful stop before Kubernetes' SIGKILL.
+    assert "must be below frontend.terminationGracePeriodSeconds" in render_error(
+        "frontend.config.shutdownGraceS=30", "frontend.terminationGracePeriodSeconds=30")
 
 
 def test_disruption_budgets_and_autoscaler(values_set: str, manifests: tuple[Manifest, ...]) -> None:

@@ -52,6 +52,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         release.stop()
 
 
+@pytest.fixture(autouse=True)
+def _pod_logs(cluster: LocalCluster) -> Iterator[None]:
+    """Print each pod's recent log after every test: pytest shows it when the test failed."""
+    yield
+    for pod in cluster:
+        print(f"--- {pod.name}\n{pod.log_tail()}")
+
+
 def test_release_runs_one_pod_per_service(cluster: LocalCluster) -> None:
     assert sorted(pod.component for pod in cluster) == sorted(SERVICES)
 

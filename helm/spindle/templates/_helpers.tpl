@@ -341,7 +341,12 @@ The pod template of a spindle service: (dict
 {{- define "spindle.podTemplate" -}}
 {{- $ctx := .ctx }}
 {{- $values := .values }}
-{{- $containerName := .component -}}
+{{- $containerName := .component }}
+{{- with $values.config.shutdownGraceS }}
+{{- if ge (float64 .) (float64 $values.terminationGracePeriodSeconds) }}
+{{- fail (printf "%s.config.shutdownGraceS (%v) must be below %s.terminationGracePeriodSeconds (%v): Kubernetes kills the container then" $containerName . $containerName $values.terminationGracePeriodSeconds) }}
+{{- end }}
+{{- end -}}
 metadata:
   labels:
     {{- include "spindle.labels" . | nindent 4 }}
