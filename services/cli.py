@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import uvloop
 
 from shared.logs import LOG_FORMATS, setup_logging
+from shared.service_flags import add_api_key_arguments, add_public_tls_arguments, public_tls_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-format", choices=LOG_FORMATS, default=os.environ.get("SPINDLE_LOG_FORMAT", "text"),
                         help="text (key=value) or json (one object per line), for every service")
     parser.add_argument("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
+    add_public_tls_arguments(parser)
+    add_api_key_arguments(parser)
 
 
 def _flags(args: argparse.Namespace, names: Sequence[str]) -> tuple[str, ...]:
@@ -76,6 +79,7 @@ def _serve(args: argparse.Namespace) -> int:
             log_format=args.log_format,
             frontend_args=("--log-requests",) if args.log_requests else (),
             worker_args=_flags(args, worker_flags), scheduler_args=_flags(args, scheduler_flags),
+            tls=public_tls_from_args(args), api_key_file=args.api_key_file,
         )
     except ValueError as exc:
         sys.stderr.write(f"spindle serve: {exc}\n")

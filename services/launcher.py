@@ -12,12 +12,16 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+
+from shared.api_keys import ApiKeys
+from shared.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +50,9 @@ class ServeConfig:
     log_format: str = "text"
     ready_timeout_s: float = 600.0
     stop_grace_s: float = 10.0
+    # Handed to the frontend: TLS on the public ports, and the API keys every route but /health needs.
+    tls: TlsFiles | None = None
+    api_key_file: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535 - 2 - self.num_workers:
@@ -54,6 +61,22 @@ class ServeConfig:
             raise ValueError(f"num_workers={self.num_workers} must be at least 1")
         if not os.path.isdir(self.model):
             raise ValueError(f"model={self.model!r} is not a directory")
+        if self.api_key_file:
+            ApiKeys.load(self.api_key_file)  # a missing or empty key file stops `serve` before any child starts
+
+
+def _probe_context(tls: TlsFiles | None) -> ssl.SSLContext | None:
+    """TLS for the readiness probe of our own frontend.
+
+    NOTE: verification is off on purpose: the probe reaches the child we started, on this host,
+    by an address (127.0.0.1) the certificate need not name, and /health carries no secret.
+    """
+    if tls is None:
+        return None
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
 
 
 def free_port() -> int:
@@ -92,11 +115,19 @@ class Launcher:
                     "--port", str(cfg.port), "--grpc-port", str(cfg.grpc_port)]
         if cfg.served_model_name:
             frontend += ["--served-model-name", cfg.served_model_name]
+        if cfg.tls:
+            frontend += ["--tls-cert-file", cfg.tls.cert_file, "--tls-key-file", cfg.tls.key_file]
+        if cfg.api_key_file:
+            frontend += ["--api-key-file", cfg.api_key_file]
         self._spawn("frontend", "services.frontend", [*frontend, *cfg.frontend_args], nice=cfg.host_services_nice)
 
     def health_url(self) -> str:
         host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::", "") else self.config.host
-        return f"http://{host}:{self.config.port}/health"
+        return f"{self.scheme}://{host}:{self.config.port}/health"
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.config.tls else "http"
 
     def dead_child(self) -> str | None:
         """Name of a child that exited, if any."""
@@ -109,6 +140,7 @@ class Launcher:
         """Poll /health until 200; False if a child died, we were stopped, or time ran out."""
         deadline = time.monotonic() + self.config.ready_timeout_s
         last_note = time.monotonic()
+        probe = _probe_context(self.config.tls)
         while time.monotonic() < deadline and not self._stopping:
             dead = self.dead_child()
             if dead:
@@ -116,7 +148,7 @@ class Launcher:
                              self.children[dead].returncode)
                 return False
             try:
-                with urllib.request.urlopen(self.health_url(), timeout=2) as resp:
+                with urllib.request.urlopen(self.health_url(), timeout=2, context=probe) as resp:
                     if resp.status == 200:
                         return True
             except (urllib.error.URLError, OSError):
@@ -159,7 +191,7 @@ class Launcher:
             shown = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
             name = cfg.served_model_name or os.path.basename(cfg.model.rstrip("/"))
             sys.stdout.write(
-                f"spindle is ready: OpenAI HTTP http://{shown}:{cfg.port}/v1  "
+                f"spindle is ready: OpenAI HTTP {self.scheme}://{shown}:{cfg.port}/v1  "
                 f"gRPC {shown}:{cfg.grpc_port}  (model {name})\n"
             )
             sys.stdout.flush()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -95,9 +95,15 @@ async def start_grpc(
     address: str,
     register: Callable[[grpc.aio.Server], None],
     service_names: Iterable[str],
+    credentials: grpc.ServerCredentials | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> GrpcService:
-    """Start a server on `address`; health stays NOT_SERVING until `set_serving` is called."""
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=GRPC_OPTIONS)
+    """Start a server on `address`; health stays NOT_SERVING until `set_serving` is called.
+
+    `credentials` (see shared/tls.py) serve TLS instead of plaintext; `interceptors` run
+    before the error mapping (an authentication check rejects a call before any handler).
+    """
+    server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()], options=GRPC_OPTIONS)
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -107,7 +113,7 @@ async def start_grpc(
     reflection.enable_server_reflection(
         [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    port = server.add_insecure_port(address)
+    port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"cannot listen on {address}")
     await server.start()

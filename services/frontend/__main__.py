@@ -12,7 +12,16 @@ import sys
 from services.frontend.config import FrontendConfig
 from services.frontend.server import Frontend
 from shared.grpc_server import wait_for_shutdown
-from shared.service_flags import add_observability_arguments, metrics_port_from_args
+from shared.service_flags import (
+    add_api_key_arguments,
+    add_internal_tls_arguments,
+    add_observability_arguments,
+    add_public_tls_arguments,
+    api_keys_from_args,
+    internal_tls_from_args,
+    metrics_port_from_args,
+    public_tls_from_args,
+)
 from shared.tracing import Tracing
 
 
@@ -40,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer-threads", type=int, default=int(_env("TOKENIZER_THREADS", "1")),
                         help="threads tokenizing off the event loop [SPINDLE_TOKENIZER_THREADS]")
     add_observability_arguments(parser)
+    add_api_key_arguments(parser)
+    add_public_tls_arguments(parser)
+    add_internal_tls_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> FrontendConfig:
@@ -55,6 +67,9 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         tokenizer_threads=args.tokenizer_threads,
         metrics_port=metrics_port_from_args(args),
         log_requests=args.log_requests,
+        api_keys=api_keys_from_args(args),
+        tls=public_tls_from_args(args),
+        internal_tls=internal_tls_from_args(args),
     )
 
 

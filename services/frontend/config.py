@@ -8,6 +8,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from shared.api_keys import ApiKeys
+from shared.tls import TlsFiles
+
 
 @dataclass(frozen=True, slots=True)
 class FrontendConfig:
@@ -27,6 +30,9 @@ class FrontendConfig:
         tokenizer_threads: threads that tokenize off the event loop.
         metrics_port: port of the Prometheus /metrics endpoint (None: off; 0: a free port).
         log_requests: log prompts and outputs (never by default).
+        api_keys: keys (hashed) every route but health requires; empty: no authentication.
+        tls: certificate and key served on the public HTTP and gRPC ports; None: plaintext.
+        internal_tls: mutual TLS to the scheduler; None: plaintext.
     """
 
     model: str
@@ -41,6 +47,9 @@ class FrontendConfig:
     tokenizer_threads: int = 1
     metrics_port: int | None = None
     log_requests: bool = False
+    api_keys: ApiKeys = ApiKeys()
+    tls: TlsFiles | None = None
+    internal_tls: TlsFiles | None = None
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -11,16 +11,19 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
 from services.frontend import openai_pooling
 from services.frontend.engine_client import EngineClient
+from services.frontend.http_auth import api_key_id, api_key_middleware
 from services.frontend.messages import GenerateChunk, GenerateComplete, GenerateEvent, PositionLogprobs
 from services.frontend.openai_format import ChatFormatter, CompletionFormatter, ResponseFormatter, error_body
 from services.frontend.openai_protocol import Endpoint, OpenAIRequest, parse_chat, parse_completion, parse_json
 from services.frontend.pooling import PoolingClient
+from shared.api_keys import ApiKeys
 from shared.errors import HTTP_STATUSES, SpindleError
 
 logger = logging.getLogger(__name__)
@@ -67,6 +70,7 @@ async def _generate(http_request: web.Request, parsed: OpenAIRequest) -> web.Str
     engine = http_request.app[ENGINE]
     parsed.input.request_id = http_request.headers.get(REQUEST_ID_HEADER, "")
     parsed.input.traceparent = http_request.headers.get("traceparent", "")
+    parsed.input.api_key_id = api_key_id(http_request)
     prepared = await engine.prepare(parsed.input)
     prefix, formatter_class = FORMATTERS[parsed.endpoint]
     formatter = formatter_class(prefix + prepared.request_id, engine.model_name, engine.tokenizer.token_text,
@@ -133,8 +137,12 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(status=503, text="waiting for the scheduler")
 
 
-def build_app(engine: EngineClient, pooling: PoolingClient) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+def build_app(engine: EngineClient, pooling: PoolingClient, api_keys: ApiKeys | None = None) -> web.Application:
+    """The app; with `api_keys` enabled, every route but /health needs a key (checked before anything else)."""
+    middlewares = [error_middleware]
+    if api_keys is not None and api_keys.is_enabled:
+        middlewares.insert(0, api_key_middleware(api_keys))
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
     openai_pooling.add_routes(app, pooling)
     app.router.add_post("/v1/completions", completions)
@@ -144,12 +152,13 @@ def build_app(engine: EngineClient, pooling: PoolingClient) -> web.Application:
     return app
 
 
-async def start_http(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
-    """Serve `app` on host:port (0: a free port); returns the runner (to clean up) and the address."""
+async def start_http(app: web.Application, host: str, port: int,
+                     ssl_context: ssl.SSLContext | None = None) -> tuple[web.AppRunner, str]:
+    """Serve `app` on host:port (0: a free port), over TLS with `ssl_context`; returns the runner and the address."""
     # handler_cancellation: a client that disconnects cancels its handler, which aborts the request.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()
     bound = runner.addresses[0][1] if runner.addresses else port  # the real port when port was 0
     return runner, f"{host}:{bound}"

@@ -122,6 +122,7 @@ class GenerateInput:
     add_special_tokens: bool = True  # for a text prompt (BOS); chat templates carry their own
     skip_special_tokens: bool = True  # in the output text
     traceparent: str = ""
+    api_key_id: str = ""  # the authenticated key's id (shared/api_keys.py), never the key; "": keys off
 
 
 @dataclass(slots=True, frozen=True)
@@ -192,6 +193,7 @@ class EmbedInput:
     normalize: bool | None = None  # None: as the model is configured
     priority: int = 0
     traceparent: str = ""
+    api_key_id: str = ""  # as in GenerateInput
 
 
 @dataclass(slots=True)
@@ -203,6 +205,7 @@ class ScoreInput:
     truncate: bool = False
     priority: int = 0
     traceparent: str = ""
+    api_key_id: str = ""  # as in GenerateInput
 
 
 @dataclass(slots=True)

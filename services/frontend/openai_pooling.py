@@ -12,6 +12,7 @@ import uuid
 import numpy as np
 from aiohttp import web
 
+from services.frontend.http_auth import api_key_id
 from services.frontend.messages import EmbedInput, ScoreInput, Usage
 from services.frontend.openai_protocol import JsonObject, is_int_list, parse_json, type_name
 from services.frontend.pooling import PoolingClient, rank
@@ -60,6 +61,7 @@ def parse_embeddings(data: object) -> tuple[EmbedInput, str]:
 async def embeddings(request: web.Request) -> web.Response:
     embed, encoding = parse_embeddings(parse_json(await request.read()))
     embed.traceparent = request.headers.get("traceparent", "")
+    embed.api_key_id = api_key_id(request)
     result = await request.app[POOLING].embed(embed)
     encode = ENCODINGS[encoding]
     data = [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(result.vectors)]
@@ -76,7 +78,8 @@ def _texts(body: JsonObject, name: str) -> list[str]:
 
 def _score_input(request: web.Request, body: JsonObject, pairs: list[tuple[str, str]]) -> ScoreInput:
     return ScoreInput(model=body.get_str("model") or "", pairs=pairs, truncate=body.get_bool("truncate"),
-                      priority=body.get_int("priority") or 0, traceparent=request.headers.get("traceparent", ""))
+                      priority=body.get_int("priority") or 0, traceparent=request.headers.get("traceparent", ""),
+                      api_key_id=api_key_id(request))
 
 
 async def score(request: web.Request) -> web.Response:

@@ -20,8 +20,9 @@ import grpc
 from services.frontend import wire
 from services.frontend.messages import AddRequest, RequestUpdate, SchedulerInfo
 from shared.errors import InvalidArgumentError, UnavailableError
-from shared.grpc_server import GRPC_OPTIONS
+from shared.grpc_channel import open_channel
 from shared.pb.spindle.v1 import scheduler_pb2, scheduler_pb2_grpc
+from shared.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +78,9 @@ class SchedulerClient:
     """Owns the Connect stream; `submit` requests, `get_info` for the served model's limits."""
 
     def __init__(self, address: str, backoff_initial_s: float = 0.05, backoff_max_s: float = 5.0,
-                 info_timeout_s: float = 5.0) -> None:
+                 info_timeout_s: float = 5.0, tls: TlsFiles | None = None) -> None:
         self.address = address
+        self._tls = tls  # mutual TLS to the scheduler; None: plaintext
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
         self._info_timeout_s = info_timeout_s
@@ -184,7 +186,7 @@ class SchedulerClient:
     async def _run(self) -> None:
         backoff = self._backoff_initial_s
         while True:
-            channel = grpc.aio.insecure_channel(self.address, options=GRPC_OPTIONS)
+            channel = open_channel(self.address, self._tls)
             try:
                 stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
                 info = await self._wait_until_ready(stub)

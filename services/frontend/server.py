@@ -23,8 +23,10 @@ from services.frontend.scheduler_client import SchedulerClient
 from services.frontend.servicer import SERVICE_NAME, register
 from services.frontend.telemetry import FrontendTelemetry
 from services.frontend.tokenizer import Tokenizer
+from shared.grpc_auth import ApiKeyInterceptor
 from shared.grpc_server import GrpcService, start_grpc
 from shared.metrics import MetricsServer, serve_metrics
+from shared.tls import grpc_server_credentials, server_ssl_context
 from shared.tracing import Tracing
 
 logger = logging.getLogger(__name__)
@@ -39,7 +41,8 @@ class Frontend:
         self.metrics = FrontendMetrics(config.served_model_name)
         telemetry = FrontendTelemetry(config.served_model_name, self.tracing, self.metrics, config.log_requests)
         self.tokenizer = Tokenizer(config.model, config.tokenizer_threads)
-        self.scheduler = SchedulerClient(config.scheduler_addr, backoff_max_s=config.scheduler_backoff_max_s)
+        self.scheduler = SchedulerClient(config.scheduler_addr, backoff_max_s=config.scheduler_backoff_max_s,
+                                         tls=config.internal_tls)
         self.engine = EngineClient(config, self.tokenizer, self.scheduler,
                                    GenerationDefaults.from_model_dir(config.model), telemetry)
         self.pooling = PoolingClient(config.served_model_name, self.tokenizer, self.scheduler,
@@ -59,14 +62,23 @@ class Frontend:
         if self.config.metrics_port is not None:
             self.metrics_server = await serve_metrics(self.metrics.registry, self.config.host,
                                                       self.config.metrics_port)
-        self.grpc = await start_grpc(self.config.grpc_address, register(self.engine, self.pooling), [SERVICE_NAME])
-        self.http_runner, self.http_address = await start_http(build_app(self.engine, self.pooling), self.config.host,
-                                                               self.config.http_port)
+        tls, api_keys = self.config.tls, self.config.api_keys
+        self.grpc = await start_grpc(
+            self.config.grpc_address, register(self.engine, self.pooling), [SERVICE_NAME],
+            credentials=grpc_server_credentials(tls),
+            interceptors=[ApiKeyInterceptor(api_keys)] if api_keys.is_enabled else [],
+        )
+        self.http_runner, self.http_address = await start_http(
+            build_app(self.engine, self.pooling, api_keys), self.config.host, self.config.http_port,
+            server_ssl_context(tls),
+        )
         self.scheduler.on_ready_change.append(self._on_scheduler_ready)
         self.scheduler.start()
-        logger.info("listening on %s (gRPC) and http://%s (OpenAI HTTP), model %s; scheduler at %s",
-                    self.grpc.address, self.http_address, self.config.served_model_name,
-                    self.config.scheduler_addr)
+        logger.info("listening on %s (gRPC%s) and %s://%s (OpenAI HTTP), model %s; scheduler at %s%s; %s",
+                    self.grpc.address, ", TLS" if tls else "", "https" if tls else "http", self.http_address,
+                    self.config.served_model_name, self.config.scheduler_addr,
+                    " (mutual TLS)" if self.config.internal_tls else "",
+                    f"{len(api_keys.digests)} API key(s) required" if api_keys.is_enabled else "no API key required")
 
     def _on_scheduler_ready(self, ready: bool) -> None:
         task = asyncio.create_task(self._set_health(ready))

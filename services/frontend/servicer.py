@@ -15,6 +15,7 @@ from services.frontend import wire
 from services.frontend.engine_client import EngineClient
 from services.frontend.messages import GenerateChunk
 from services.frontend.pooling import PoolingClient, rank
+from shared.grpc_auth import current_api_key_id
 from shared.pb.spindle.v1 import generation_pb2, generation_pb2_grpc
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
@@ -29,6 +30,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
         generate = wire.generate_input_from_proto(request)
         generate.traceparent = _traceparent(context)
+        generate.api_key_id = current_api_key_id()
         prepared = await self._engine.prepare(generate)
         async with contextlib.aclosing(self._engine.run(prepared)) as events:
             async for event in events:
@@ -50,12 +52,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     context: grpc.aio.ServicerContext) -> generation_pb2.EmbedResponse:
         embed = wire.embed_input_from_proto(request)
         embed.traceparent = _traceparent(context)
+        embed.api_key_id = current_api_key_id()
         return wire.embed_to_proto(await self._pooling.embed(embed))
 
     async def Score(self, request: generation_pb2.ScoreRequest,  # noqa: N802
                     context: grpc.aio.ServicerContext) -> generation_pb2.ScoreResponse:
         score = wire.score_input_from_proto(request)
         score.traceparent = _traceparent(context)
+        score.api_key_id = current_api_key_id()
         result = await self._pooling.score(score)
         return wire.score_to_proto(rank([v[0] for v in result.vectors], request.sort, request.top_n), result.usage)
 

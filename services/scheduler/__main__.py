@@ -20,7 +20,13 @@ from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.worker_client import WorkerClient
 from shared.grpc_server import start_grpc, wait_for_shutdown
 from shared.metrics import serve_metrics
-from shared.service_flags import add_observability_arguments, metrics_port_from_args
+from shared.service_flags import (
+    add_internal_tls_arguments,
+    add_observability_arguments,
+    internal_tls_from_args,
+    metrics_port_from_args,
+)
+from shared.tls import grpc_server_credentials
 from shared.tracing import Tracing
 
 logger = logging.getLogger(__name__)
@@ -68,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=float(_env("STATS_INTERVAL_S", str(defaults.stats_interval_s))),
                         help="period of the counters log while busy [SPINDLE_STATS_INTERVAL_S]")
     add_observability_arguments(parser)
+    add_internal_tls_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
@@ -84,17 +91,20 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         worker_ready_timeout_s=args.worker_ready_timeout_s,
         stats_interval_s=args.stats_interval_s,
         metrics_port=metrics_port_from_args(args),
+        internal_tls=internal_tls_from_args(args),
     )
 
 
 async def serve(config: SchedulerConfig) -> None:
     """Listen at once (GetSchedulerInfo says ready=False), turn SERVING once every worker is ready."""
-    links = [WorkerClient(i, addr, config.worker_ready_timeout_s) for i, addr in enumerate(config.worker_addresses)]
+    links = [WorkerClient(i, addr, config.worker_ready_timeout_s, tls=config.internal_tls)
+             for i, addr in enumerate(config.worker_addresses)]
     tracing = Tracing.from_env("scheduler")
     # The lambda reads `engine` at scrape time: the scheduler exists once every worker is ready.
     metrics = SchedulerMetrics(lambda: engine.scheduler)
     engine = EngineLoop(config, links, observer=SchedulerTelemetry(tracing, metrics))
-    svc = await start_grpc(config.listen, lambda server: register(server, engine), [SERVICE_NAME])
+    svc = await start_grpc(config.listen, lambda server: register(server, engine), [SERVICE_NAME],
+                           credentials=grpc_server_credentials(config.internal_tls))
     metrics_server = None
     if config.metrics_port is not None:
         metrics_server = await serve_metrics(metrics.registry, config.listen.rsplit(":", 1)[0], config.metrics_port)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.tls import TlsFiles
+
 DEFAULT_LISTEN = "0.0.0.0:50052"
 DEFAULT_WORKER_ADDRS = "127.0.0.1:50061"
 
@@ -31,6 +33,7 @@ class SchedulerConfig:
             (0 waits forever).
         stats_interval_s: period of the INFO counters log while busy.
         metrics_port: port of the Prometheus /metrics endpoint (None: off; 0: a free port).
+        internal_tls: mutual TLS for the SchedulerService and the channels to the workers; None: plaintext.
     """
 
     listen: str = DEFAULT_LISTEN
@@ -45,6 +48,7 @@ class SchedulerConfig:
     worker_ready_timeout_s: float = 0.0
     stats_interval_s: float = 10.0
     metrics_port: int | None = None
+    internal_tls: TlsFiles | None = None
 
     def __post_init__(self) -> None:
         if not self.worker_addresses:

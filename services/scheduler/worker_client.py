@@ -20,8 +20,9 @@ from services.scheduler.worker_link import OnFailure, OnOutput
 from shared.errors import UnavailableError
 from shared.execute import ExecuteRound, WorkerInfo
 from shared.execute_wire import round_to_proto, step_from_proto, worker_info_from_proto
-from shared.grpc_server import GRPC_OPTIONS
+from shared.grpc_channel import open_channel
 from shared.pb.spindle.v1 import worker_pb2, worker_pb2_grpc
+from shared.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +33,13 @@ class WorkerClient:
     """gRPC `WorkerLink` for the worker at `address` (index = its position in the config)."""
 
     def __init__(self, index: int, address: str, ready_timeout_s: float = 0.0,
-                 backoff_initial_s: float = 0.05, backoff_max_s: float = 2.0) -> None:
+                 backoff_initial_s: float = 0.05, backoff_max_s: float = 2.0, tls: TlsFiles | None = None) -> None:
         self.index = index
         self.address = address
         self._ready_timeout_s = ready_timeout_s
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
-        self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = open_channel(address, tls)  # mutual TLS when `tls` is given
         self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
         self._outbox: asyncio.Queue[ExecuteRound | None] = asyncio.Queue()
         self._call: grpc.aio.StreamStreamCall | None = None

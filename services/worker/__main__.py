@@ -22,7 +22,13 @@ from services.worker.worker import Worker
 from shared.grpc_server import start_grpc, wait_for_shutdown
 from shared.metrics import serve_metrics
 from shared.pb.spindle.v1 import worker_pb2, worker_pb2_grpc
-from shared.service_flags import add_observability_arguments, metrics_port_from_args
+from shared.service_flags import (
+    add_internal_tls_arguments,
+    add_observability_arguments,
+    internal_tls_from_args,
+    metrics_port_from_args,
+)
+from shared.tls import grpc_server_credentials
 from shared.tracing import Tracing
 
 logger = logging.getLogger(__name__)
@@ -102,6 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch CPU threads [SPINDLE_NUM_THREADS]",
     )
     add_observability_arguments(parser)
+    add_internal_tls_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -119,6 +126,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
         metrics_port=metrics_port_from_args(args),
+        internal_tls=internal_tls_from_args(args),
     )
 
 
@@ -129,7 +137,8 @@ async def serve(config: WorkerConfig) -> None:
     def register(server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
 
-    service = await start_grpc(config.listen, register, [SERVICE_NAME])
+    service = await start_grpc(config.listen, register, [SERVICE_NAME],
+                               credentials=grpc_server_credentials(config.internal_tls))
     telemetry = WorkerTelemetry(Tracing.from_env("worker"))
     metrics_server = None
     if config.metrics_port is not None:

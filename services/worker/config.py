@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.tls import TlsFiles
+
 DEFAULT_LISTEN = "0.0.0.0:50061"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -31,6 +33,7 @@ class WorkerConfig:
             sentence-transformers models by sentence_bert_config.json's max_seq_length.
         num_threads: torch CPU threads; None keeps torch's default.
         metrics_port: port of the Prometheus /metrics endpoint (None: off; 0: a free port).
+        internal_tls: mutual TLS for the WorkerService (clients need a certificate from the CA); None: plaintext.
     """
 
     model: str
@@ -46,6 +49,7 @@ class WorkerConfig:
     max_model_len: int | None = None
     num_threads: int | None = None
     metrics_port: int | None = None
+    internal_tls: TlsFiles | None = None
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -26,7 +27,7 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class RunningServer:
-    http_url: str  # e.g. http://127.0.0.1:8123
+    http_url: str  # e.g. http://127.0.0.1:8123 (https:// when served with TLS)
     grpc_address: str  # e.g. 127.0.0.1:50123
     model_name: str
     process: subprocess.Popen[bytes]
@@ -34,15 +35,18 @@ class RunningServer:
 
 @contextlib.contextmanager
 def spindle_serve(model_dir: Path, *extra_args: str, timeout_s: float = 180.0,
-                  extra_env: dict[str, str] | None = None) -> Iterator[RunningServer]:
-    """Run `spindle serve` on free loopback ports until the block ends, then SIGTERM it."""
+                  extra_env: dict[str, str] | None = None, scheme: str = "http") -> Iterator[RunningServer]:
+    """Run `spindle serve` on free loopback ports until the block ends, then SIGTERM it.
+
+    `scheme="https"` when `extra_args` turn TLS on (--tls-cert-file, --tls-key-file).
+    """
     http_port, grpc_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
            "--port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", "0", *extra_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SPINDLE_LOG_LEVEL": os.environ.get("SPINDLE_LOG_LEVEL", "WARNING"),
            **(extra_env or {})}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE)
-    server = RunningServer(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", model_dir.name, proc)
+    server = RunningServer(f"{scheme}://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", model_dir.name, proc)
     try:
         _wait_healthy(server, timeout_s)
         yield server
@@ -58,11 +62,14 @@ def spindle_serve(model_dir: Path, *extra_args: str, timeout_s: float = 180.0,
 
 def _wait_healthy(server: RunningServer, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
+    # Readiness only: a TLS test checks the certificate itself, with its own CA.
+    unverified = ssl.create_default_context()
+    unverified.check_hostname, unverified.verify_mode = False, ssl.CERT_NONE
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
             raise AssertionError(f"spindle serve exited early with code {server.process.returncode}")
         try:
-            with urllib.request.urlopen(server.http_url + "/health", timeout=2) as resp:
+            with urllib.request.urlopen(server.http_url + "/health", timeout=2, context=unverified) as resp:
                 if resp.status == 200:
                     return
         except (urllib.error.URLError, OSError):
