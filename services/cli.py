@@ -38,6 +38,10 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode steps per scheduler round trip (multi-step)")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="most sequences running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
+    parser.add_argument("--max-waiting-requests", type=int, default=None,
+                        help="most requests waiting for admission; past it new ones get HTTP 429")
+    parser.add_argument("--max-waiting-tokens", type=int, default=None,
+                        help="most prompt tokens waiting for admission; past it new requests get HTTP 429")
     parser.add_argument("--attention-backend", default=None, help="auto | sdpa | naive | flash-attn")
     parser.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
     parser.add_argument("--device", default=None, help="auto | cpu | cuda")
@@ -70,7 +74,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     worker_flags = ("attention_backend", "dtype", "device", "kv_cache_bytes", "block_size",
                     "max_num_seqs", "max_num_batched_tokens", "num_threads")
-    scheduler_flags = ("num_scheduler_steps", "max_num_seqs", "max_num_batched_tokens")
+    scheduler_flags = ("num_scheduler_steps", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
+                       "max_waiting_tokens")
     try:
         config = ServeConfig(
             model=args.model, host=args.host, port=args.port, grpc_port=args.grpc_port,

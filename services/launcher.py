@@ -2,8 +2,11 @@
 
 The launcher owns process lifecycle only: it picks internal ports, starts each service with
 `python -m services.<name>`, waits until the frontend's /health says every service is ready,
-announces where it listens, and on Ctrl-C / SIGTERM (or when any child dies) stops all of
-them, gently first. It never imports torch or the services' code.
+announces where it listens, and on Ctrl-C / SIGTERM stops all of them, gently first. A child
+that dies after start-up is restarted with the same command and ports (backoff from 1 s up to
+30 s), as Kubernetes would: the others reconnect to it and nothing in flight is lost. A child
+that dies before spindle was ever ready is a configuration error: everything stops. It never
+imports torch or the services' code.
 """
 
 from __future__ import annotations
@@ -65,6 +68,22 @@ class ServeConfig:
             ApiKeys.load(self.api_key_file)  # a missing or empty key file stops `serve` before any child starts
 
 
+@dataclass(slots=True)
+class _Restart:
+    """Restart bookkeeping of one child: exponential backoff, reset after a long healthy run."""
+
+    count: int = 0
+    delay_s: float = 0.0
+    due_at: float | None = None
+    last_at: float = 0.0
+
+    def schedule(self, now: float) -> None:
+        healthy_for = now - self.last_at
+        self.delay_s = 1.0 if healthy_for > 60.0 or self.count == 0 else min(self.delay_s * 2, 30.0)
+        self.due_at = now + self.delay_s
+        self.last_at = now
+
+
 def _probe_context(tls: TlsFiles | None) -> ssl.SSLContext | None:
     """TLS for the readiness probe of our own frontend.
 
@@ -92,14 +111,37 @@ class Launcher:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
         self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self._commands: dict[str, tuple[list[str], int]] = {}  # name -> (command, nice)
+        self._restarts: dict[str, _Restart] = {}
         self._stopping = False
 
     def _spawn(self, name: str, module: str, args: list[str], nice: int = 0, metrics_offset: int = 0) -> None:
         cmd = [sys.executable, "-m", module, *args, "--log-format", self.config.log_format]
         if self.config.metrics_port:
             cmd += ["--metrics-port", str(self.config.metrics_port + metrics_offset)]
+        self._commands[name] = (cmd, nice)
+        self._popen(name)
+
+    def _popen(self, name: str) -> None:
+        cmd, nice = self._commands[name]
         logger.info("starting %s%s: %s", name, f" (nice {nice})" if nice else "", " ".join(cmd))
         self.children[name] = subprocess.Popen(cmd, preexec_fn=(lambda: os.nice(nice)) if nice else None)
+
+    def _restart_dead(self) -> None:
+        """Restart children that exited, each after its backoff (called every 0.2 s while serving)."""
+        now = time.monotonic()
+        for name, proc in self.children.items():
+            if proc.poll() is None:
+                continue
+            restart = self._restarts.setdefault(name, _Restart())
+            if restart.due_at is None:
+                restart.schedule(now)
+                logger.error("%s exited with code %s; restarting it in %.0f s (restart #%d)", name, proc.returncode,
+                             restart.delay_s, restart.count + 1)
+            elif now >= restart.due_at:
+                restart.count += 1
+                restart.due_at = None
+                self._popen(name)
 
     def start(self) -> None:
         cfg = self.config
@@ -196,11 +238,7 @@ class Launcher:
             )
             sys.stdout.flush()
             while not self._stopping:
-                dead = self.dead_child()
-                if dead:
-                    logger.error("%s exited with code %s; stopping the others", dead,
-                                 self.children[dead].returncode)
-                    return 1
+                self._restart_dead()
                 time.sleep(0.2)
             return 0
         finally:

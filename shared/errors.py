@@ -19,12 +19,17 @@ class ErrorKind(enum.IntEnum):
     UNAVAILABLE = 3
     INTERNAL = 4
     NOT_FOUND = 5
+    DEADLINE_EXCEEDED = 6
 
 
 class SpindleError(Exception):
     """Base class: an error a client should see with a specific status."""
 
     kind: ErrorKind = ErrorKind.INTERNAL
+    # HTTP status when it is more specific than the kind's (413 for a body too large).
+    http_status: int | None = None
+    # Seconds after which a retry may succeed: HTTP `Retry-After`, gRPC `retry-after` trailer.
+    retry_after_s: int | None = None
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -37,6 +42,12 @@ class InvalidArgumentError(SpindleError):
     kind = ErrorKind.INVALID_ARGUMENT
 
 
+class PayloadTooLargeError(InvalidArgumentError):
+    """The HTTP request body is larger than the server accepts (413, not 400)."""
+
+    http_status = 413
+
+
 class NotFoundError(SpindleError):
     """A named thing (model, request) does not exist."""
 
@@ -47,12 +58,19 @@ class ResourceExhaustedError(SpindleError):
     """The server is at capacity; the request may succeed later."""
 
     kind = ErrorKind.RESOURCE_EXHAUSTED
+    retry_after_s = 1  # queues drain within seconds; clients back off further on repeats
 
 
 class UnavailableError(SpindleError):
     """A service this request needs is not ready or went away."""
 
     kind = ErrorKind.UNAVAILABLE
+
+
+class DeadlineExceededError(SpindleError):
+    """The request's deadline (gRPC deadline or the frontend's request timeout) passed first."""
+
+    kind = ErrorKind.DEADLINE_EXCEEDED
 
 
 class InternalError(SpindleError):
@@ -63,7 +81,8 @@ class InternalError(SpindleError):
 
 _ERROR_CLASSES: dict[ErrorKind, type[SpindleError]] = {
     cls.kind: cls
-    for cls in (InvalidArgumentError, NotFoundError, ResourceExhaustedError, UnavailableError, InternalError)
+    for cls in (InvalidArgumentError, NotFoundError, ResourceExhaustedError, UnavailableError, DeadlineExceededError,
+                InternalError)
 }
 
 GRPC_CODES: dict[ErrorKind, grpc.StatusCode] = {
@@ -71,6 +90,7 @@ GRPC_CODES: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 
@@ -79,8 +99,14 @@ HTTP_STATUSES: dict[ErrorKind, int] = {
     ErrorKind.NOT_FOUND: 404,
     ErrorKind.RESOURCE_EXHAUSTED: 429,
     ErrorKind.UNAVAILABLE: 503,
+    ErrorKind.DEADLINE_EXCEEDED: 504,
     ErrorKind.INTERNAL: 500,
 }
+
+
+def http_status(error: SpindleError) -> int:
+    """The HTTP status of `error`: its own when it has one, else its kind's."""
+    return error.http_status or HTTP_STATUSES[error.kind]
 
 
 def error_from_kind(kind: ErrorKind, message: str) -> SpindleError:

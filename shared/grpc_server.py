@@ -17,21 +17,29 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from shared.errors import GRPC_CODES, SpindleError
+from shared.errors import GRPC_CODES, InvalidArgumentError, SpindleError
 
 logger = logging.getLogger(__name__)
 
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 256 * 1024 * 1024),
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 20_000),
+    # Heartbeat: a peer that stops answering (a hung or unplugged worker) is noticed within
+    # about 4 s, not at the TCP timeout; servers accept pings that often.
+    ("grpc.keepalive_time_ms", 2_000),
+    ("grpc.keepalive_timeout_ms", 2_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
 ]
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Turns a `SpindleError` raised by any handler into its gRPC status and message."""
+    """Turns a `SpindleError` raised by any handler into its gRPC status and message.
+
+    A request whose bytes do not parse (bad UTF-8 in a string, a corrupt message) becomes
+    INVALID_ARGUMENT too: gRPC's own answer to a failing deserializer is UNKNOWN, a server error.
+    """
 
     async def intercept_service(
         self,
@@ -44,24 +52,57 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap_unary(handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return handler
 
 
+class _Undecodable:
+    """What `_tolerant` hands the handler for bytes that are no valid request message."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # protobuf's DecodeError, or whatever a parser raises on garbage
+            return _Undecodable(exc)
+
+    return deserialize
+
+
+def _decoded(request: Any) -> Any:
+    if isinstance(request, _Undecodable):
+        raise InvalidArgumentError(f"the request message cannot be parsed: {request.error}")
+    return request
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: SpindleError) -> None:
+    trailers = (("retry-after", str(exc.retry_after_s)),) if exc.retry_after_s is not None else ()
+    await context.abort(GRPC_CODES[exc.kind], exc.message, trailing_metadata=trailers)
+
+
 def _wrap_unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await fn(request, context)
+            return await fn(_decoded(request), context)
         except SpindleError as exc:
-            await context.abort(GRPC_CODES[exc.kind], exc.message)
+            await _abort(context, exc)
 
     return wrapper
 
@@ -69,10 +110,10 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[An
 def _wrap_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            async for item in fn(request, context):
+            async for item in fn(_decoded(request), context):
                 yield item
         except SpindleError as exc:
-            await context.abort(GRPC_CODES[exc.kind], exc.message)
+            await _abort(context, exc)
 
     return wrapper
 
@@ -98,7 +139,11 @@ async def start_grpc(
     credentials: grpc.ServerCredentials | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> GrpcService:
-    """Start a server on `address`; health stays NOT_SERVING until `set_serving` is called.
+    """Start a server on `address`; the named services stay NOT_SERVING until `set_serving`.
+
+    Health has two meanings, as Kubernetes probes use them: the server-wide name "" is
+    liveness (SERVING while the process serves at all, so a frontend that lost its scheduler is
+    not restarted for it); each named service is readiness (SERVING only while it can do work).
 
     `credentials` (see shared/tls.py) serve TLS instead of plaintext; `interceptors` run
     before the error mapping (an authentication check rejects a call before any handler).
@@ -108,7 +153,8 @@ async def start_grpc(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names)
-    for name in ("", *names):
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    for name in names:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection.enable_server_reflection(
         [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server

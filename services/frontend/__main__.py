@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import fields
 
 from services.frontend.config import FrontendConfig
+from services.frontend.limits import RequestLimits
 from services.frontend.server import Frontend
 from shared.grpc_server import wait_for_shutdown
 from shared.service_flags import (
@@ -48,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="abort requests running longer than this; 0: never [SPINDLE_REQUEST_TIMEOUT_S]")
     parser.add_argument("--tokenizer-threads", type=int, default=int(_env("TOKENIZER_THREADS", "1")),
                         help="threads tokenizing off the event loop [SPINDLE_TOKENIZER_THREADS]")
+    for limit in fields(RequestLimits):
+        env = limit.name.upper()
+        parser.add_argument(f"--{limit.name.replace('_', '-')}", type=int, default=int(_env(env, str(limit.default))),
+                            help=f"{limit.metadata['help']} [SPINDLE_{env}]")
+    parser.add_argument("--shutdown-grace-s", type=float, default=float(_env("SHUTDOWN_GRACE_S", "20")),
+                        help="on SIGTERM, requests in flight get this long to finish [SPINDLE_SHUTDOWN_GRACE_S]")
     add_observability_arguments(parser)
     add_api_key_arguments(parser)
     add_public_tls_arguments(parser)
@@ -64,9 +72,11 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         grpc_port=args.grpc_port,
         default_max_tokens=args.default_max_tokens,
         request_timeout_s=args.request_timeout_s,
+        limits=RequestLimits(**{limit.name: getattr(args, limit.name) for limit in fields(RequestLimits)}),
         tokenizer_threads=args.tokenizer_threads,
         metrics_port=metrics_port_from_args(args),
         log_requests=args.log_requests,
+        shutdown_grace_s=args.shutdown_grace_s,
         api_keys=api_keys_from_args(args),
         tls=public_tls_from_args(args),
         internal_tls=internal_tls_from_args(args),
@@ -78,7 +88,7 @@ async def serve(config: FrontendConfig) -> None:
     frontend = Frontend(config, Tracing.from_env("frontend"))
     await frontend.start()
     assert frontend.grpc is not None
-    await wait_for_shutdown(frontend.grpc, on_stop=frontend.stop_http)
+    await wait_for_shutdown(frontend.grpc, on_stop=frontend.drain)
     await frontend.stop()
 
 

@@ -6,8 +6,9 @@ Frozen and validated here; no module below `__main__` reads the environment.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from services.frontend.limits import RequestLimits
 from shared.api_keys import ApiKeys
 from shared.tls import TlsFiles
 
@@ -26,6 +27,7 @@ class FrontendConfig:
         default_max_tokens: max_tokens when a request leaves it unset, capped to what fits
             in the context after the prompt.
         request_timeout_s: a request still running after this long is aborted (0: never).
+        limits: how much one request may ask for (sizes, counts), checked before tokenizing.
         scheduler_backoff_max_s: longest wait between attempts to (re)connect to the scheduler.
         tokenizer_threads: threads that tokenize off the event loop.
         metrics_port: port of the Prometheus /metrics endpoint (None: off; 0: a free port).
@@ -43,10 +45,12 @@ class FrontendConfig:
     grpc_port: int = 50051
     default_max_tokens: int = 256
     request_timeout_s: float = 600.0
+    limits: RequestLimits = field(default_factory=RequestLimits)
     scheduler_backoff_max_s: float = 5.0
     tokenizer_threads: int = 1
     metrics_port: int | None = None
     log_requests: bool = False
+    shutdown_grace_s: float = 20.0
     api_keys: ApiKeys = ApiKeys()
     tls: TlsFiles | None = None
     internal_tls: TlsFiles | None = None
@@ -66,6 +70,8 @@ class FrontendConfig:
             raise ValueError(f"request_timeout_s={self.request_timeout_s} must not be negative")
         if self.scheduler_backoff_max_s <= 0:
             raise ValueError(f"scheduler_backoff_max_s={self.scheduler_backoff_max_s} must be positive")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s={self.shutdown_grace_s} must not be negative")
         if self.tokenizer_threads < 1:
             raise ValueError(f"tokenizer_threads={self.tokenizer_threads} must be at least 1")
         if ":" not in self.scheduler_addr:

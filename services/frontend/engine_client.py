@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from services.frontend.config import FrontendConfig
 from services.frontend.generation_defaults import GenerationDefaults
+from services.frontend.limits import check_generate_sizes, check_text, effective_timeout_s
 from services.frontend.messages import (
     AddRequest,
     GenerateEvent,
@@ -28,7 +29,14 @@ from services.frontend.messages import (
 from services.frontend.output_processor import OutputProcessor
 from services.frontend.telemetry import FrontendTelemetry, RequestTelemetry
 from services.frontend.tokenizer import Tokenizer
-from services.frontend.validation import check_model, check_prompt, check_sampling, resolve_sampling
+from services.frontend.validation import (
+    INT32,
+    check_model,
+    check_prompt,
+    check_request_id,
+    check_sampling,
+    resolve_sampling,
+)
 
 if TYPE_CHECKING:  # the gRPC client is injected; this module never imports grpc
     from services.frontend.scheduler_client import SchedulerClient
@@ -44,6 +52,7 @@ class PreparedRequest:
     stop: tuple[str, ...]
     skip_special_tokens: bool
     telemetry: RequestTelemetry
+    deadline: float | None  # event-loop time when it is aborted; None: never
 
     @property
     def request_id(self) -> str:
@@ -82,31 +91,38 @@ class EngineClient:
             raise
 
     async def _prepare(self, request: GenerateInput, telemetry: RequestTelemetry) -> PreparedRequest:
+        limits = self.config.limits
         with telemetry.phase("validate"):
             check_model(request.model, self.model_name)
+            check_request_id(request.request_id)
+            INT32.check(request.priority, "priority")
+            check_generate_sizes(request, limits)
             info = await self.scheduler.get_info()
             if info.task != RequestKind.GENERATE:
                 raise InvalidArgumentError(
                     f"model {self.model_name!r} does not support text generation (task {info.task.name.lower()})"
                 )
-            check_sampling(request.sampling, info.vocab_size)
+            check_sampling(request.sampling, info.vocab_size, limits)
         with telemetry.phase("tokenize"):
             prompt_token_ids = await self._prompt_token_ids(request)
         with telemetry.phase("validate_prompt"):
-            check_prompt(prompt_token_ids, info)
+            check_prompt(prompt_token_ids, info, limits.max_prompt_tokens)
             options = resolve_sampling(request.sampling, len(prompt_token_ids), info, self.defaults,
                                        self.config.default_max_tokens)
-        timeout_s = self.config.request_timeout_s
+        timeout_s = effective_timeout_s(self.config.request_timeout_s, request.timeout_s)
         add = AddRequest(
             request_id=request.request_id or uuid.uuid4().hex,
             prompt_token_ids=prompt_token_ids,
             sampling=options,
             priority=request.priority,
             traceparent=telemetry.traceparent,
-            deadline_unix_s=time.time() + timeout_s if timeout_s else 0.0,
+            # The scheduler aborts it at the deadline too, so its blocks are freed even if
+            # this frontend is gone by then.
+            deadline_unix_s=time.time() + timeout_s if timeout_s is not None else 0.0,
         )
         telemetry.accepted(add)
-        return PreparedRequest(add, tuple(request.sampling.stop), request.skip_special_tokens, telemetry)
+        deadline = asyncio.get_running_loop().time() + timeout_s if timeout_s is not None else None
+        return PreparedRequest(add, tuple(request.sampling.stop), request.skip_special_tokens, telemetry, deadline)
 
     async def run(self, prepared: PreparedRequest) -> AsyncIterator[GenerateEvent]:
         """Submit and stream: a `GenerateChunk` per step with new output, then a `GenerateComplete`."""
@@ -114,9 +130,7 @@ class EngineClient:
         processor = OutputProcessor(add.request_id, self.tokenizer.decode, self.tokenizer.token_text,
                                     add.prompt_token_ids, add.sampling, prepared.stop,
                                     prepared.skip_special_tokens)
-        loop = asyncio.get_running_loop()
-        timeout_s = self.config.request_timeout_s
-        deadline = loop.time() + timeout_s if timeout_s else None
+        deadline = prepared.deadline
         try:
             async with self.scheduler.submit(add) as stream:
                 while not processor.is_finished:
@@ -156,6 +170,7 @@ class EngineClient:
 
     async def tokenize(self, model: str, text: str, add_special_tokens: bool) -> TokenizeResult:
         check_model(model, self.model_name)
+        check_text(text, self.config.limits, "text")
         return await self.tokenizer.tokenize(text, add_special_tokens)
 
     async def list_models(self) -> list[ModelCard]:

@@ -21,16 +21,15 @@ from services.frontend.engine_client import EngineClient
 from services.frontend.http_auth import api_key_id, api_key_middleware
 from services.frontend.messages import GenerateChunk, GenerateComplete, GenerateEvent, PositionLogprobs
 from services.frontend.openai_format import ChatFormatter, CompletionFormatter, ResponseFormatter, error_body
-from services.frontend.openai_protocol import Endpoint, OpenAIRequest, parse_chat, parse_completion, parse_json
+from services.frontend.openai_protocol import Endpoint, OpenAIRequest, parse_chat, parse_completion, read_json
 from services.frontend.pooling import PoolingClient
 from shared.api_keys import ApiKeys
-from shared.errors import HTTP_STATUSES, SpindleError
+from shared.errors import SpindleError, http_status
 
 logger = logging.getLogger(__name__)
 
 ENGINE = web.AppKey("engine", EngineClient)
 REQUEST_ID_HEADER = "X-Request-Id"
-MAX_BODY_BYTES = 64 * 1024 * 1024
 
 # Per endpoint: the response id prefix and the formatter class.
 FORMATTERS: dict[Endpoint, tuple[str, type[ResponseFormatter]]] = {
@@ -44,8 +43,10 @@ def _dumps(body: object) -> bytes:
 
 
 def error_response(error: SpindleError) -> web.Response:
-    status = HTTP_STATUSES[error.kind]
-    return web.Response(body=_dumps(error_body(error, status)), status=status, content_type="application/json")
+    status = http_status(error)
+    headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s is not None else None
+    return web.Response(body=_dumps(error_body(error, status)), status=status, content_type="application/json",
+                        headers=headers)
 
 
 @web.middleware
@@ -59,11 +60,11 @@ async def error_middleware(request: web.Request,
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_completion(parse_json(await request.read())))
+    return await _generate(request, parse_completion(await read_json(request)))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_chat(parse_json(await request.read())))
+    return await _generate(request, parse_chat(await read_json(request)))
 
 
 async def _generate(http_request: web.Request, parsed: OpenAIRequest) -> web.StreamResponse:
@@ -112,7 +113,7 @@ async def _stream(http_request: web.Request, formatter: ResponseFormatter, event
         if include_usage:
             await _send(response, formatter.usage_chunk(event.usage))
     except SpindleError as exc:  # after the 200: report it in the stream, as OpenAI does
-        await _send(response, error_body(exc, HTTP_STATUSES[exc.kind]))
+        await _send(response, error_body(exc, http_status(exc)))
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
@@ -132,7 +133,10 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     """200 once the scheduler is connected and ready, 503 before (and while reconnecting)."""
-    if request.app[ENGINE].scheduler.is_ready:
+    scheduler = request.app[ENGINE].scheduler
+    if not scheduler.accepting:
+        return web.Response(status=503, text="shutting down")
+    if scheduler.is_ready:
         return web.Response(text="ok")
     return web.Response(status=503, text="waiting for the scheduler")
 
@@ -142,7 +146,7 @@ def build_app(engine: EngineClient, pooling: PoolingClient, api_keys: ApiKeys | 
     middlewares = [error_middleware]
     if api_keys is not None and api_keys.is_enabled:
         middlewares.insert(0, api_key_middleware(api_keys))
-    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=middlewares, client_max_size=engine.config.limits.max_body_bytes)
     app[ENGINE] = engine
     openai_pooling.add_routes(app, pooling)
     app.router.add_post("/v1/completions", completions)

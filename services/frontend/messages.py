@@ -56,6 +56,8 @@ class AddRequest:
     token_type_ids: list[int] = field(default_factory=list)
     traceparent: str = ""
     deadline_unix_s: float = 0.0  # 0: none
+    output_token_ids: list[int] = field(default_factory=list)  # already delivered (a re-submission)
+    resumed: bool = False  # re-submitted after a reconnect: replaces the scheduler's copy
 
 
 @dataclass(slots=True)
@@ -119,6 +121,7 @@ class GenerateInput:
     sampling: SamplingRequest = field(default_factory=SamplingRequest)
     priority: int = 0
     request_id: str = ""  # empty: the frontend assigns one
+    timeout_s: float | None = None  # the client's deadline (gRPC), in seconds from arrival; None: none
     add_special_tokens: bool = True  # for a text prompt (BOS); chat templates carry their own
     skip_special_tokens: bool = True  # in the output text
     traceparent: str = ""
@@ -192,6 +195,7 @@ class EmbedInput:
     truncate: bool = False  # cut over-long inputs instead of rejecting them
     normalize: bool | None = None  # None: as the model is configured
     priority: int = 0
+    timeout_s: float | None = None  # as in GenerateInput
     traceparent: str = ""
     api_key_id: str = ""  # as in GenerateInput
 
@@ -204,6 +208,7 @@ class ScoreInput:
     pairs: list[tuple[str, str]] = field(default_factory=list)
     truncate: bool = False
     priority: int = 0
+    timeout_s: float | None = None  # as in GenerateInput
     traceparent: str = ""
     api_key_id: str = ""  # as in GenerateInput
 

@@ -21,6 +21,7 @@ ERROR_TYPES: dict[ErrorKind, str] = {
     ErrorKind.NOT_FOUND: "not_found_error",
     ErrorKind.RESOURCE_EXHAUSTED: "rate_limit_error",
     ErrorKind.UNAVAILABLE: "service_unavailable_error",
+    ErrorKind.DEADLINE_EXCEEDED: "timeout_error",
     ErrorKind.INTERNAL: "internal_error",
 }
 

@@ -14,8 +14,9 @@ from aiohttp import web
 
 from services.frontend.http_auth import api_key_id
 from services.frontend.messages import EmbedInput, ScoreInput, Usage
-from services.frontend.openai_protocol import JsonObject, is_int_list, parse_json, type_name
+from services.frontend.openai_protocol import JsonObject, is_int_list, read_json, type_name
 from services.frontend.pooling import PoolingClient, rank
+from services.frontend.validation import quote
 from shared.errors import InvalidArgumentError
 
 POOLING = web.AppKey("pooling", PoolingClient)
@@ -36,7 +37,8 @@ def parse_embeddings(data: object) -> tuple[EmbedInput, str]:
     body = JsonObject(data)
     encoding = body.get_str("encoding_format") or "float"
     if encoding not in ENCODINGS:
-        raise InvalidArgumentError(f"encoding_format={encoding!r} is not supported; use one of {sorted(ENCODINGS)}")
+        raise InvalidArgumentError(f"encoding_format={quote(encoding)} is not supported; use one of "
+                                   f"{sorted(ENCODINGS)}")
     body.reject_if("dimensions", True, "dimensions is not supported")
     raw = body.raw("input")
     request = EmbedInput(model=body.get_str("model") or "", truncate=body.get_bool("truncate"),
@@ -59,7 +61,7 @@ def parse_embeddings(data: object) -> tuple[EmbedInput, str]:
 
 
 async def embeddings(request: web.Request) -> web.Response:
-    embed, encoding = parse_embeddings(parse_json(await request.read()))
+    embed, encoding = parse_embeddings(await read_json(request))
     embed.traceparent = request.headers.get("traceparent", "")
     embed.api_key_id = api_key_id(request)
     result = await request.app[POOLING].embed(embed)
@@ -84,7 +86,7 @@ def _score_input(request: web.Request, body: JsonObject, pairs: list[tuple[str, 
 
 async def score(request: web.Request) -> web.Response:
     """{"text_1": query(s), "text_2": document(s)}: one query against many, or pairwise lists."""
-    body = JsonObject(parse_json(await request.read()))
+    body = JsonObject(await read_json(request))
     queries, documents = _texts(body, "text_1"), _texts(body, "text_2")
     if len(queries) == 1:
         queries = queries * len(documents)
@@ -100,7 +102,7 @@ async def score(request: web.Request) -> web.Response:
 
 async def rerank(request: web.Request) -> web.Response:
     """{"query", "documents", "top_n"}: documents ranked by relevance, best first."""
-    body = JsonObject(parse_json(await request.read()))
+    body = JsonObject(await read_json(request))
     query = body.get_str("query")
     if query is None:
         raise InvalidArgumentError("query is required")

@@ -4,16 +4,27 @@ Checks JSON types field by field (a wrong type is a 400 naming the field), maps 
 vLLM-style extra fields onto `SamplingRequest`, and rejects features spindle does not serve
 (n > 1, echo, best_of, logit_bias, tools, ...) with a clear message instead of ignoring them.
 Range checks are `validation.py`'s job. Unknown fields are ignored, as OpenAI clients send many.
+Whatever the body holds, parsing fails only with a 400: bytes that are not UTF-8, lone
+surrogates (`"\\ud800"`, which no tokenizer or encoder accepts), nesting deeper than the
+parser's stack, numbers too large for a float; error messages never echo more than a short
+excerpt of a client's value.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import re
 from dataclasses import dataclass
 
+from aiohttp import web
+
 from services.frontend.messages import ChatMessage, GenerateInput, SamplingRequest
-from shared.errors import InvalidArgumentError
+from services.frontend.validation import quote, show_number
+from shared.errors import InvalidArgumentError, PayloadTooLargeError
+
+# A \u escape of a UTF-16 surrogate: only these can put a lone surrogate into parsed JSON text.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 class Endpoint(enum.Enum):
@@ -31,12 +42,54 @@ class OpenAIRequest:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
 
 
-def parse_json(raw: bytes) -> object:
-    """The request body as JSON; malformed JSON is a 400."""
+async def read_json(request: web.Request) -> object:
+    """The body as JSON, read only up to the app's `client_max_size` (max_body_bytes): 413 past it."""
+    limit = request.client_max_size
+    size = request.content_length
     try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+        if size is not None and size > limit:  # refuse before reading any of it
+            raise web.HTTPRequestEntityTooLarge(limit, size)
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise PayloadTooLargeError(f"the request body is too large: more than the limit of {limit} bytes "
+                                   "(max_body_bytes)") from exc
+    return parse_json(raw)
+
+
+def parse_json(raw: bytes) -> object:
+    """The request body as JSON; malformed JSON (or not UTF-8, or not Unicode) is a 400."""
+    try:
+        text = raw.decode("utf-8-sig")  # RFC 8259: JSON between systems is UTF-8
+    except UnicodeDecodeError as exc:
+        raise InvalidArgumentError(f"the request body is not valid UTF-8: {exc}") from exc
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
         raise InvalidArgumentError(f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise InvalidArgumentError("the request body is not valid JSON: it is nested too deeply") from exc
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(value):
+        raise InvalidArgumentError("the request body is not valid Unicode: a string holds a lone surrogate "
+                                   "(a \\ud800-\\udfff escape that is not half of a pair)")
+    return value
+
+
+def _has_lone_surrogate(value: object) -> bool:
+    """Whether any string (or key) in the parsed JSON cannot be encoded as UTF-8."""
+    stack = [value]
+    while stack:  # iterative: the document may be as deep as the parser allowed
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+    return False
 
 
 class JsonObject:
@@ -52,8 +105,7 @@ class JsonObject:
         return self._data.get(name)
 
     def _fail(self, name: str, expected: str) -> InvalidArgumentError:
-        value = self._data[name]
-        return InvalidArgumentError(f"{self._prefix}{name} must be {expected}, got {type_name(value)} {value!r}")
+        return InvalidArgumentError(f"{self._prefix}{name} must be {expected}, got {describe(self._data[name])}")
 
     def get_int(self, name: str) -> int | None:
         value = self._data.get(name)
@@ -69,7 +121,10 @@ class JsonObject:
             return None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise self._fail(name, "a number")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond any float: out of every range
+            raise InvalidArgumentError(f"{self._prefix}{name}={show_number(value)} is out of range") from None
 
     def get_bool(self, name: str, default: bool = False) -> bool:
         value = self._data.get(name)
@@ -115,6 +170,17 @@ def type_name(value: object) -> str:
     return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
+def describe(value: object) -> str:
+    """A JSON value for an error message: its type, and a short excerpt of a scalar."""
+    if isinstance(value, str):
+        return f"string {quote(value)}"
+    if isinstance(value, list | dict):
+        return f"{type_name(value)} of {len(value)} {'items' if isinstance(value, list) else 'fields'}"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return f"{type_name(value)} {show_number(value)}"
+    return f"{type_name(value)} {value!r}" if value is not None else "null"
+
+
 def is_int_list(value: object) -> bool:
     return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
 
@@ -143,7 +209,7 @@ def _common(body: JsonObject) -> tuple[bool, bool]:
     """Checks both endpoints share; returns (stream, include_usage)."""
     n = body.get_int("n")
     if n is not None and n != 1:
-        raise InvalidArgumentError(f"n={n}: n > 1 is not supported; send separate requests")
+        raise InvalidArgumentError(f"n={show_number(n)}: n > 1 is not supported; send separate requests")
     body.reject_if("logit_bias", bool(body.raw("logit_bias")), "logit_bias is not supported")
     stream = body.get_bool("stream")
     options = body.raw("stream_options")
@@ -157,7 +223,8 @@ def parse_completion(data: object) -> OpenAIRequest:
     stream, include_usage = _common(body)
     body.reject_if("echo", body.get_bool("echo"), "echo is not supported")
     best_of = body.get_int("best_of")
-    body.reject_if("best_of", best_of is not None and best_of != 1, f"best_of={best_of}: only 1 is supported")
+    body.reject_if("best_of", best_of is not None and best_of != 1,
+                   f"best_of={show_number(best_of or 0)}: only 1 is supported")
     body.reject_if("suffix", bool(body.get_str("suffix")), "suffix is not supported")
     prompt = body.raw("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -189,7 +256,7 @@ def parse_chat(data: object) -> OpenAIRequest:
     if response_format is not None:
         kind = JsonObject(response_format, "response_format").get_str("type")
         body.reject_if("response_format", kind not in (None, "text"),
-                       f"response_format type {kind!r} is not supported; only 'text'")
+                       f"response_format type {quote(kind or '')} is not supported; only 'text'")
     raw_messages = body.raw("messages")
     if not isinstance(raw_messages, list):
         raise InvalidArgumentError(f"messages must be a list of messages, got {type_name(raw_messages)}")
@@ -225,6 +292,7 @@ def _message(value: object, index: int) -> ChatMessage:
         part = JsonObject(part_value, f"{where}.content[{j}]")
         kind = part.get_str("type")
         if kind != "text":
-            raise InvalidArgumentError(f"{where}.content[{j}]: part type {kind!r} is not supported; only 'text'")
+            raise InvalidArgumentError(f"{where}.content[{j}]: part type {quote(kind or '')} is not supported; "
+                                       "only 'text'")
         texts.append(part.get_str("text") or "")
     return ChatMessage(role, "".join(texts))

@@ -14,11 +14,14 @@ import asyncio
 import json
 import logging
 import math
+import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from services.frontend.limits import RequestLimits, check_size, check_texts, effective_timeout_s
 from services.frontend.messages import (
     AddRequest,
     EmbedInput,
@@ -30,13 +33,13 @@ from services.frontend.messages import (
 )
 from services.frontend.telemetry import FrontendTelemetry, RequestTelemetry
 from services.frontend.tokenizer import Encoded, Tokenizer
-from services.frontend.validation import check_model, check_token_ids
+from services.frontend.validation import INT32, check_model, check_token_ids
 
 if TYPE_CHECKING:  # the gRPC client is injected; this module never imports grpc
     from services.frontend.scheduler_client import RequestStream, SchedulerClient
-from shared.errors import InternalError, InvalidArgumentError
+from shared.errors import DeadlineExceededError, InternalError, InvalidArgumentError
 from shared.sampling import SamplingOptions
-from shared.types import RequestKind
+from shared.types import RequestKind, StopReason
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +61,24 @@ def model_normalizes(model_dir: str | Path) -> bool:
 
 
 class PoolingClient:
-    """Embed and Score on top of the scheduler connection."""
+    """Embed and Score on top of the scheduler connection.
+
+    Args:
+        limits: per-request limits (input count and lengths), checked before tokenizing.
+        request_timeout_s: a request still running after this long fails (0: never); a
+            client's shorter deadline wins.
+    """
 
     def __init__(self, model_name: str, tokenizer: Tokenizer, scheduler: SchedulerClient,
-                 normalize_default: bool = False, telemetry: FrontendTelemetry | None = None) -> None:
+                 normalize_default: bool = False, telemetry: FrontendTelemetry | None = None,
+                 limits: RequestLimits | None = None, request_timeout_s: float = 0.0) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.normalize_default = normalize_default
         self.telemetry = telemetry or FrontendTelemetry(model_name)
+        self.limits = limits or RequestLimits()
+        self.request_timeout_s = request_timeout_s
 
     async def embed(self, request: EmbedInput) -> PoolingResult:
         return await self._traced("embeddings", request.traceparent, lambda t: self._embed(request, t))
@@ -87,52 +99,67 @@ class PoolingClient:
         return result
 
     async def _embed(self, request: EmbedInput, telemetry: RequestTelemetry) -> PoolingResult:
-        info = await self._check_task(request.model, RequestKind.EMBED)
-        limit = info.max_total_tokens
+        info = await self._check_request(request.model, RequestKind.EMBED, request.priority)
+        limit = self._token_limit(info)
         if request.token_ids is not None:
-            encoded = [_check_ids(ids, i, info, request.truncate) for i, ids in enumerate(request.token_ids)]
+            check_size(len(request.token_ids), self.limits.max_batch_inputs, "number of inputs", "max_batch_inputs")
+            encoded = [_check_ids(ids, i, info.vocab_size, limit, request.truncate)
+                       for i, ids in enumerate(request.token_ids)]
         else:
             texts = _non_empty(request.texts or [], "input")
-            encoded = await self.tokenizer.encode_batch(texts, limit if request.truncate else None)
+            check_texts(texts, self.limits, "input")
+            encoded = await self.tokenizer.encode_batch(texts, limit.num_tokens if request.truncate else None)
         _check_lengths(encoded, limit, "input")
-        result = await self._run(RequestKind.EMBED, encoded, request.priority, telemetry.traceparent)
+        result = await self._run(RequestKind.EMBED, encoded, request, telemetry.traceparent)
         if request.normalize if request.normalize is not None else self.normalize_default:
             result.vectors = [_l2_normalize(v) for v in result.vectors]
         return result
 
     async def _score(self, request: ScoreInput, telemetry: RequestTelemetry) -> PoolingResult:
-        info = await self._check_task(request.model, RequestKind.SCORE)
+        info = await self._check_request(request.model, RequestKind.SCORE, request.priority)
         if not request.pairs:
             raise InvalidArgumentError("documents is empty: give at least one document to score")
-        _non_empty([q for q, _ in request.pairs], "query")
-        _non_empty([d for _, d in request.pairs], "documents")
-        limit = info.max_total_tokens
-        encoded = await self.tokenizer.encode_pairs(request.pairs, limit if request.truncate else None)
+        for field, texts in (("query", [q for q, _ in request.pairs]), ("documents", [d for _, d in request.pairs])):
+            check_texts(_non_empty(texts, field), self.limits, field)
+        limit = self._token_limit(info)
+        encoded = await self.tokenizer.encode_pairs(request.pairs, limit.num_tokens if request.truncate else None)
         _check_lengths(encoded, limit, "documents")
-        result = await self._run(RequestKind.SCORE, encoded, request.priority, telemetry.traceparent)
+        result = await self._run(RequestKind.SCORE, encoded, request, telemetry.traceparent)
         result.vectors = [[_sigmoid(v[0])] if len(v) == 1 else v for v in result.vectors]
         return result
 
-    async def _check_task(self, model: str, task: RequestKind) -> SchedulerInfo:
+    def _token_limit(self, info: SchedulerInfo) -> _TokenLimit:
+        if info.max_total_tokens <= self.limits.max_prompt_tokens:
+            return _TokenLimit(info.max_total_tokens, "the model's limit")
+        return _TokenLimit(self.limits.max_prompt_tokens, "the limit (max_prompt_tokens)")
+
+    async def _check_request(self, model: str, task: RequestKind, priority: int) -> SchedulerInfo:
         check_model(model, self.model_name)
+        INT32.check(priority, "priority")
         info = await self.scheduler.get_info()
         if info.task != task:
             raise InvalidArgumentError(f"model {self.model_name!r} does not support {TASK_NAMES[task]} "
                                        f"(it serves {TASK_NAMES[info.task]})")
         return info
 
-    async def _run(self, kind: RequestKind, encoded: list[Encoded], priority: int,
+    async def _run(self, kind: RequestKind, encoded: list[Encoded], request: EmbedInput | ScoreInput,
                    traceparent: str) -> PoolingResult:
         """Submit every input (one batched message), wait for all pooled outputs, in input order."""
         batch_id = uuid.uuid4().hex
         streams: list[RequestStream] = []
+        timeout_s = effective_timeout_s(self.request_timeout_s, request.timeout_s)
+        # The scheduler drops the inputs at the deadline too, even if this frontend is gone by then.
+        deadline_unix_s = time.time() + timeout_s if timeout_s is not None else 0.0
         try:
             for i, item in enumerate(encoded):
                 streams.append(self.scheduler.submit(AddRequest(
                     request_id=f"{kind.name.lower()}-{batch_id}-{i}", prompt_token_ids=item.token_ids,
-                    sampling=SamplingOptions(max_tokens=1), kind=kind, priority=priority,
-                    token_type_ids=item.token_type_ids, traceparent=traceparent)))
-            finals = await asyncio.gather(*(_final_update(s) for s in streams))
+                    sampling=SamplingOptions(max_tokens=1), kind=kind, priority=request.priority,
+                    token_type_ids=item.token_type_ids, traceparent=traceparent, deadline_unix_s=deadline_unix_s)))
+            async with asyncio.timeout(timeout_s):
+                finals = await asyncio.gather(*(_final_update(s) for s in streams))
+        except TimeoutError as exc:
+            raise _deadline_error(timeout_s) from exc
         finally:
             for stream in streams:
                 stream.close()  # aborts whatever did not finish (an error or a cancellation)
@@ -145,6 +172,8 @@ async def _final_update(stream: RequestStream) -> RequestUpdate:
         final = updates[-1]
         if final.error is not None:
             raise final.error
+        if final.stop_reason is StopReason.ABORTED:  # the scheduler's deadline passed first
+            raise _deadline_error(None)
         if final.is_final:
             if not final.pooled:
                 raise InternalError(f"request {stream.request_id} ended without a pooled output "
@@ -170,20 +199,38 @@ def _non_empty(texts: list[str], name: str) -> list[str]:
     return texts
 
 
-def _check_ids(ids: list[int], index: int, info: SchedulerInfo, truncate: bool) -> Encoded:
+def _deadline_error(timeout_s: float | None) -> DeadlineExceededError:
+    within = f" within its deadline of {timeout_s:g} s" if timeout_s is not None else " within its deadline"
+    return DeadlineExceededError(f"the request did not finish{within}")
+
+
+@dataclass(frozen=True, slots=True)
+class _TokenLimit:
+    """The most tokens one input may have, and which limit that is (for the error message)."""
+
+    num_tokens: int
+    name: str
+
+
+def _check_ids(ids: list[int], index: int, vocab_size: int, limit: _TokenLimit, truncate: bool) -> Encoded:
+    """A token-id input: non-empty, cut or checked to `limit` (before its ids are looked at), valid ids."""
     if not ids:
         raise InvalidArgumentError(f"input[{index}] is empty")
-    check_token_ids(ids, info.vocab_size, f"input[{index}]")
-    return Encoded(ids[: info.max_total_tokens] if truncate else ids, [])
+    ids = ids[: limit.num_tokens] if truncate else ids
+    _check_length(len(ids), limit, f"input[{index}]")
+    check_token_ids(ids, vocab_size, f"input[{index}]")
+    return Encoded(ids, [])
 
 
-def _check_lengths(encoded: list[Encoded], limit: int, name: str) -> None:
+def _check_lengths(encoded: list[Encoded], limit: _TokenLimit, name: str) -> None:
     for i, item in enumerate(encoded):
-        if len(item.token_ids) > limit:
-            raise InvalidArgumentError(
-                f"{name}[{i}] has {len(item.token_ids)} tokens, more than the model's limit of {limit} tokens; "
-                "shorten it or set truncate"
-            )
+        _check_length(len(item.token_ids), limit, f"{name}[{i}]")
+
+
+def _check_length(num_tokens: int, limit: _TokenLimit, field: str) -> None:
+    if num_tokens > limit.num_tokens:
+        raise InvalidArgumentError(f"{field} has {num_tokens} tokens, more than {limit.name} of {limit.num_tokens} "
+                                   "tokens; shorten it or set truncate")
 
 
 def _l2_normalize(vector: list[float]) -> list[float]:

@@ -2,14 +2,19 @@
 
 Adds and aborts issued in the same event-loop iteration leave as one batched message each;
 each StepUpdates coming back is split by request_id into per-request queues. When the
-stream breaks, in-flight requests fail with UNAVAILABLE and the client reconnects with
-exponential backoff (waiting until GetSchedulerInfo says the workers are ready).
+stream breaks (the scheduler restarted, or the network hiccuped) nothing in flight fails:
+the client reconnects with exponential backoff (waiting until GetSchedulerInfo says the
+workers are ready) and re-submits every unfinished request with the output tokens its client
+already received, so the scheduler recomputes from there and streams only what follows; no
+token is sent twice or lost. Requests fail with UNAVAILABLE only if no scheduler comes back
+within `resume_timeout_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +32,7 @@ from shared.tls import TlsFiles
 logger = logging.getLogger(__name__)
 
 _PROGRESS_LOG_INTERVAL_S = 10.0
+_INFO_INTERVAL_S = 1.0
 
 
 class RequestStream:
@@ -43,9 +49,11 @@ class RequestStream:
         self._queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
         self._final_pushed = False  # the scheduler is done with it: no abort needed
         self._final_taken = False  # the consumer has seen the final update
+        self.output_token_ids: list[int] = []  # received so far: what a re-submission reports
 
     def _push(self, update: RequestUpdate) -> None:
         self._final_pushed = self._final_pushed or update.is_final
+        self.output_token_ids.extend(update.token_ids)
         self._queue.put_nowait(update)
 
     def __aiter__(self) -> AsyncIterator[list[RequestUpdate]]:
@@ -78,9 +86,13 @@ class SchedulerClient:
     """Owns the Connect stream; `submit` requests, `get_info` for the served model's limits."""
 
     def __init__(self, address: str, backoff_initial_s: float = 0.05, backoff_max_s: float = 5.0,
-                 info_timeout_s: float = 5.0, tls: TlsFiles | None = None) -> None:
+                 info_timeout_s: float = 5.0, resume_timeout_s: float = 120.0, tls: TlsFiles | None = None) -> None:
         self.address = address
         self._tls = tls  # mutual TLS to the scheduler; None: plaintext
+        self._resume_timeout_s = resume_timeout_s
+        self._submitted: dict[str, AddRequest] = {}  # live requests as first submitted
+        self._connection_generation = 0
+        self.accepting = True  # False once shutting down: new requests are refused
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
         self._info_timeout_s = info_timeout_s
@@ -129,18 +141,22 @@ class SchedulerClient:
 
     def submit(self, request: AddRequest) -> RequestStream:
         """Queue `request` for the scheduler; its updates arrive on the returned stream."""
+        if not self.accepting:
+            raise UnavailableError("this frontend is shutting down: retry (another replica takes it)")
         if self._outbox is None:
             raise UnavailableError(f"the scheduler at {self.address} is not connected")
         if request.request_id in self._streams:
             raise InvalidArgumentError(f"request_id={request.request_id!r} is already in use")
         stream = RequestStream(self, request.request_id)
         self._streams[request.request_id] = stream
+        self._submitted[request.request_id] = request
         self._pending_adds[request.request_id] = request
         self._schedule_flush()
         return stream
 
     def _abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+        self._submitted.pop(request_id, None)
         if self._pending_adds.pop(request_id, None) is None:
             self._pending_aborts.append(request_id)  # it was sent, so the scheduler must drop it
             self._schedule_flush()
@@ -157,8 +173,17 @@ class SchedulerClient:
         aborts, self._pending_aborts = self._pending_aborts, []
         if self._outbox is None:
             return  # disconnected: those requests were already failed
-        if adds:
-            self._outbox.put_nowait(wire.add_requests_to_proto(adds))
+        batch = []
+        for add in adds:
+            try:
+                batch.append(wire.add_request_to_proto(add))
+            except ValueError as exc:  # a value its wire type cannot carry, which validation should have caught
+                logger.error("request %s cannot be sent to the scheduler: %s", add.request_id, exc)
+                # Fail it alone, as if the scheduler had refused it; the others in `adds` still go.
+                self._dispatch(wire.rejection_to_proto(add.request_id, InvalidArgumentError(
+                    f"request {add.request_id!r} cannot be sent to the scheduler: {exc}")))
+        if batch:
+            self._outbox.put_nowait(wire.add_requests_to_proto(batch))
         if aborts:
             self._outbox.put_nowait(wire.abort_requests_to_proto(aborts))
 
@@ -172,10 +197,29 @@ class SchedulerClient:
             update = wire.update_from_proto(msg)
             if update.is_final:
                 del self._streams[msg.request_id]
+                self._submitted.pop(msg.request_id, None)
             stream._push(update)
+
+    def _resubmit(self) -> None:
+        """Re-submit every unfinished request on a new stream, with what its client already has."""
+        for request_id, stream in self._streams.items():
+            add = dataclasses.replace(self._submitted[request_id], output_token_ids=list(stream.output_token_ids),
+                                      resumed=True)
+            self._pending_adds[request_id] = add
+        if self._streams:
+            logger.info("re-submitted %d unfinished request(s) to the scheduler at %s", len(self._streams),
+                        self.address)
+            self._schedule_flush()
+
+    def _expire_held(self, generation: int) -> None:
+        """No scheduler came back in time: fail the requests held since the stream broke."""
+        if generation == self._connection_generation and not self.is_ready and self._streams:
+            self._fail_all(f"lost the connection to the scheduler at {self.address} and it did not come back "
+                           f"within {self._resume_timeout_s:.0f} s")
 
     def _fail_all(self, message: str) -> None:
         streams, self._streams = self._streams, {}
+        self._submitted.clear()
         self._pending_adds.clear()
         self._pending_aborts.clear()
         for request_id, stream in streams.items():
@@ -193,12 +237,18 @@ class SchedulerClient:
                 outbox: asyncio.Queue[scheduler_pb2.ConnectRequest | None] = asyncio.Queue()
                 call = stub.Connect(_drain(outbox))
                 self._outbox, self._info = outbox, info
+                self._connection_generation += 1
+                self._resubmit()
                 self._set_ready(True)
                 logger.info("connected to the scheduler at %s: model %s, max_model_len %d, %d worker(s)",
                             self.address, info.model_id, info.max_model_len, info.num_workers)
                 backoff = self._backoff_initial_s
-                async for response in call:
-                    self._dispatch(response)
+                poller = asyncio.create_task(self._follow_info(stub), name="scheduler-info")
+                try:
+                    async for response in call:
+                        self._dispatch(response)
+                finally:
+                    poller.cancel()
                 logger.warning("the scheduler at %s closed the stream", self.address)
             except grpc.aio.AioRpcError as exc:
                 logger.warning("the stream to the scheduler at %s broke: %s %s", self.address,
@@ -207,11 +257,27 @@ class SchedulerClient:
                 if self._outbox is not None:
                     self._outbox.put_nowait(None)
                     self._outbox = None
-                self._fail_all(f"lost the connection to the scheduler at {self.address}")
+                    self._connection_generation += 1
+                    if self._streams:
+                        logger.warning("holding %d unfinished request(s) until a scheduler is back (up to %.0f s)",
+                                       len(self._streams), self._resume_timeout_s)
+                    asyncio.get_running_loop().call_later(self._resume_timeout_s, self._expire_held,
+                                                          self._connection_generation)
                 self._set_ready(False)
                 await channel.close()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self._backoff_max_s)
+
+    async def _follow_info(self, stub: scheduler_pb2_grpc.SchedulerServiceStub) -> None:
+        """While connected, re-read GetSchedulerInfo every second: readiness follows the workers."""
+        while True:
+            await asyncio.sleep(_INFO_INTERVAL_S)
+            try:
+                msg = await stub.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest(), timeout=self._info_timeout_s)
+            except grpc.aio.AioRpcError:
+                continue  # the stream's own failure handling takes over if the scheduler is gone
+            self._info = wire.info_from_proto(msg)
+            self._set_ready(self._info.ready)
 
     async def _wait_until_ready(self, stub: scheduler_pb2_grpc.SchedulerServiceStub) -> SchedulerInfo:
         """Poll GetSchedulerInfo with backoff until the scheduler says its workers are ready."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from aiohttp import web
 from grpc_health.v1 import health_pb2
@@ -46,7 +47,8 @@ class Frontend:
         self.engine = EngineClient(config, self.tokenizer, self.scheduler,
                                    GenerationDefaults.from_model_dir(config.model), telemetry)
         self.pooling = PoolingClient(config.served_model_name, self.tokenizer, self.scheduler,
-                                     model_normalizes(config.model), telemetry)
+                                     model_normalizes(config.model), telemetry, config.limits,
+                                     config.request_timeout_s)
         self.metrics_server: MetricsServer | None = None
         self.grpc: GrpcService | None = None
         self.http_runner: web.AppRunner | None = None
@@ -91,9 +93,19 @@ class Frontend:
             await self.grpc.set_serving([SERVICE_NAME])
             logger.info("ready: serving %s", self.config.served_model_name)
             return
-        for name in ("", SERVICE_NAME):
-            await self.grpc.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.grpc.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         logger.warning("not ready: lost the scheduler, reconnecting")
+
+    async def drain(self) -> None:
+        """SIGTERM: refuse new requests, give those in flight `shutdown_grace_s` to finish, stop HTTP."""
+        self.scheduler.accepting = False
+        deadline = time.monotonic() + self.config.shutdown_grace_s
+        while self.scheduler.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.scheduler.num_in_flight:
+            logger.warning("%d request(s) still running after %.0f s; they are cancelled",
+                           self.scheduler.num_in_flight, self.config.shutdown_grace_s)
+        await self.stop_http()
 
     async def stop_http(self) -> None:
         """Stop taking HTTP requests (in-flight ones are cancelled, which aborts them)."""

@@ -1,7 +1,8 @@
 """gRPC adapter for spindle.v1.GenerationService: decode, one EngineClient call, encode.
 
 Typed errors propagate to shared.grpc_server's interceptor, which maps them to status codes.
-A client that cancels a Generate stream cancels this handler, which aborts the request.
+A client that cancels a Generate stream cancels this handler, which aborts the request; a
+client's deadline becomes the request's (when shorter than the frontend's request timeout).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Generate(self, request: generation_pb2.GenerateRequest,  # noqa: N802 - gRPC method name
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
         generate = wire.generate_input_from_proto(request)
+        generate.timeout_s = context.time_remaining()  # the client's deadline, if it set one
         generate.traceparent = _traceparent(context)
         generate.api_key_id = current_api_key_id()
         prepared = await self._engine.prepare(generate)
@@ -51,6 +53,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Embed(self, request: generation_pb2.EmbedRequest,  # noqa: N802
                     context: grpc.aio.ServicerContext) -> generation_pb2.EmbedResponse:
         embed = wire.embed_input_from_proto(request)
+        embed.timeout_s = context.time_remaining()  # the client's deadline, if it set one
         embed.traceparent = _traceparent(context)
         embed.api_key_id = current_api_key_id()
         return wire.embed_to_proto(await self._pooling.embed(embed))
@@ -58,6 +61,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Score(self, request: generation_pb2.ScoreRequest,  # noqa: N802
                     context: grpc.aio.ServicerContext) -> generation_pb2.ScoreResponse:
         score = wire.score_input_from_proto(request)
+        score.timeout_s = context.time_remaining()  # the client's deadline, if it set one
         score.traceparent = _traceparent(context)
         score.api_key_id = current_api_key_id()
         result = await self._pooling.score(score)

@@ -17,7 +17,7 @@ from services.frontend.messages import AddRequest, GenerateChunk, GenerateComple
 from services.frontend.metrics import FrontendMetrics
 from shared.errors import SpindleError
 from shared.logs import request_extra
-from shared.tracing import Span, SpanKind, Tracing, format_traceparent
+from shared.tracing import Span, SpanKind, Tracing, format_traceparent, parse_traceparent
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,13 @@ class FrontendTelemetry:
         self.log_requests = log_requests
 
     def start(self, operation: str, traceparent: str) -> RequestTelemetry:
-        """Open the telemetry of one request; `operation` is the GenAI operation name."""
+        """Open the telemetry of one request; `operation` is the GenAI operation name.
+
+        A malformed `traceparent` is dropped, as W3C trace context says (it came from a client
+        header and would otherwise travel to the scheduler as it is).
+        """
+        if traceparent and parse_traceparent(traceparent) is None:
+            traceparent = ""
         span = None
         if self.tracing.enabled:
             span = self.tracing.start_span(f"{operation} {self.model_name}", traceparent, SpanKind.SERVER, {

@@ -1,7 +1,10 @@
 """Request validation: every check a request must pass before it reaches the scheduler.
 
 Cheap checks on the sampling fields run before tokenization (fail fast); length checks run
-after it. Every failure is a typed error naming the field and the offending value. Defaults
+after it. Every failure is a typed error naming the field and the offending value. Every
+number a client sends is checked against the range of the wire type that carries it to the
+scheduler (int32, uint64), so no request can fail the serialisation of a batch it shares
+with others; the configured size limits are limits.py's. Defaults
 for unset fields: temperature, top_p, top_k, min_p and repetition_penalty from the model's
 generation_config.json (else 1.0, 1.0, off, off, 1.0); presence/frequency penalty 0;
 min_tokens 0; max_tokens `default_max_tokens` capped to what fits after the prompt.
@@ -12,36 +15,62 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.frontend.generation_defaults import GenerationDefaults
 from services.frontend.messages import SamplingRequest, SchedulerInfo
 from shared.errors import InvalidArgumentError, NotFoundError
 from shared.sampling import SamplingOptions
 
-MAX_LOGPROBS = 20
-MAX_SEED = 2**64 - 1
+if TYPE_CHECKING:
+    from services.frontend.limits import RequestLimits
+
+MAX_SEED = 2**64 - 1  # uint64
+MIN_INT32 = -(2**31)
 MAX_INT32 = 2**31 - 1
+MAX_REQUEST_ID_CHARS = 256
+_QUOTE_CHARS = 64
 
 
 @dataclass(frozen=True, slots=True)
 class Range:
-    """An allowed interval; `lo_open`/`hi_open` exclude the bound. NaN is never inside."""
+    """An allowed interval; `lo_open`/`hi_open` exclude the bound. NaN is never inside.
+
+    Integer bounds stay ints, so comparisons with integer values are exact (2**64 is not
+    inside [0, 2**64 - 1], though both round to the same float). `setting` names the
+    configuration that sets the bound, for the error message.
+    """
 
     lo: float
     hi: float
     lo_open: bool = False
     hi_open: bool = False
+    setting: str = ""
 
     def contains(self, value: float) -> bool:
-        if math.isnan(value):
+        if isinstance(value, float) and math.isnan(value):  # (math.isnan overflows on a huge int)
             return False
         above = value > self.lo if self.lo_open else value >= self.lo
         below = value < self.hi if self.hi_open else value <= self.hi
         return above and below
 
     def __str__(self) -> str:
-        hi = "inf" if math.isinf(self.hi) else f"{self.hi:g}"
-        return f"{'(' if self.lo_open else '['}{self.lo:g}, {hi}{')' if self.hi_open else ']'}"
+        interval = f"{'(' if self.lo_open else '['}{_bound(self.lo)}, {_bound(self.hi)}{')' if self.hi_open else ']'}"
+        return f"{interval} ({self.setting})" if self.setting else interval
+
+    def check(self, value: float | None, field: str) -> None:
+        """Raise naming `field` unless `value` is None or inside."""
+        if value is not None and not self.contains(value):
+            raise InvalidArgumentError(f"{field}={show_number(value)} is out of range: must be in {self}")
+
+
+def _bound(value: float) -> str:
+    return str(value) if isinstance(value, int) else "inf" if math.isinf(value) else f"{value:g}"
+
+
+def show_number(value: float) -> str:
+    """A client's number for an error message; a huge JSON integer stays short."""
+    return f"{value:.3e}" if isinstance(value, int) and abs(value) >= 10**30 else str(value)
 
 
 # The allowed range of each numeric sampling field (None values are skipped).
@@ -54,25 +83,38 @@ SAMPLING_RANGES: dict[str, Range] = {
     "repetition_penalty": Range(0.0, 100.0, lo_open=True),
     "presence_penalty": Range(-2.0, 2.0),
     "frequency_penalty": Range(-2.0, 2.0),
-    "max_tokens": Range(1, MAX_INT32),
     "min_tokens": Range(0, MAX_INT32),
-    "logprobs": Range(0, MAX_LOGPROBS),
     "seed": Range(0, MAX_SEED),
 }
+INT32 = Range(MIN_INT32, MAX_INT32)
+
+
+def quote(text: str) -> str:
+    """A client's string for an error message: repr'd (so any character is safe), cut short."""
+    return repr(text) if len(text) <= _QUOTE_CHARS else f"{text[:_QUOTE_CHARS]!r}... ({len(text)} characters)"
+
+
+def check_request_id(request_id: str) -> None:
+    """A client-chosen id travels in logs, traces and every message about the request: keep it plain."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgumentError(f"request_id is too long: {len(request_id)} characters, more than the limit of "
+                                   f"{MAX_REQUEST_ID_CHARS}")
+    if not (request_id.isascii() and request_id.isprintable()):
+        raise InvalidArgumentError(f"request_id={quote(request_id)} must be printable ASCII")
 
 
 def check_model(requested: str, served_model_name: str) -> None:
     """An empty name selects the served model; any other name must match it."""
     if requested and requested != served_model_name:
-        raise NotFoundError(f"model {requested!r} does not exist; this server serves {served_model_name!r}")
+        raise NotFoundError(f"model {quote(requested)} does not exist; this server serves {served_model_name!r}")
 
 
-def check_sampling(sampling: SamplingRequest, vocab_size: int) -> None:
+def check_sampling(sampling: SamplingRequest, vocab_size: int, limits: RequestLimits) -> None:
     """Range checks that need no tokenization (run first, so bad requests fail fast)."""
     for name, allowed in SAMPLING_RANGES.items():
-        value = getattr(sampling, name)
-        if value is not None and not allowed.contains(value):
-            raise InvalidArgumentError(f"{name}={value} is out of range: must be in {allowed}")
+        allowed.check(getattr(sampling, name), name)
+    Range(1, limits.max_output_tokens, setting="max_output_tokens").check(sampling.max_tokens, "max_tokens")
+    Range(0, limits.max_logprobs, setting="max_logprobs").check(sampling.logprobs, "logprobs")
     if (sampling.min_tokens is not None and sampling.max_tokens is not None
             and sampling.min_tokens > sampling.max_tokens):
         raise InvalidArgumentError(
@@ -89,14 +131,17 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, field: str) -> No
     for i, token_id in enumerate(token_ids):
         if not 0 <= token_id < vocab_size:
             raise InvalidArgumentError(
-                f"{field}[{i}]={token_id} is not a valid token id: must be in [0, {vocab_size})"
+                f"{field}[{i}]={show_number(token_id)} is not a valid token id: must be in [0, {vocab_size})"
             )
 
 
-def check_prompt(prompt_token_ids: Sequence[int], info: SchedulerInfo) -> None:
+def check_prompt(prompt_token_ids: Sequence[int], info: SchedulerInfo, max_prompt_tokens: int) -> None:
     """The prompt must be non-empty, made of valid ids, and leave room for one output token."""
     if not prompt_token_ids:
         raise InvalidArgumentError("prompt is empty: it must contain at least one token")
+    if len(prompt_token_ids) > max_prompt_tokens:
+        raise InvalidArgumentError(f"prompt is too long: {len(prompt_token_ids)} tokens, more than the limit of "
+                                   f"{max_prompt_tokens} (max_prompt_tokens)")
     check_token_ids(prompt_token_ids, info.vocab_size, "prompt")
     limit = info.max_total_tokens
     if len(prompt_token_ids) >= limit:

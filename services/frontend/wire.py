@@ -31,21 +31,34 @@ from shared.types import RequestKind, StopReason
 # ---- scheduler.proto ------------------------------------------------------------------------
 
 
-def add_requests_to_proto(requests: Sequence[AddRequest]) -> scheduler_pb2.ConnectRequest:
+def add_request_to_proto(r: AddRequest) -> scheduler_pb2.AddRequest:
+    """Raises ValueError for a field its wire type cannot carry (an int out of range, a string
+    that is not Unicode): convert each request alone, so one cannot sink a whole batch."""
+    return scheduler_pb2.AddRequest(
+        request_id=r.request_id,
+        kind=int(r.kind),
+        prompt_token_ids=r.prompt_token_ids,
+        token_type_ids=r.token_type_ids,
+        sampling=sampling_to_proto(r.sampling),
+        priority=r.priority,
+        traceparent=r.traceparent,
+        deadline_unix_s=r.deadline_unix_s,
+        output_token_ids=r.output_token_ids,
+        resumed=r.resumed,
+    )
+
+
+def add_requests_to_proto(requests: Sequence[scheduler_pb2.AddRequest]) -> scheduler_pb2.ConnectRequest:
     """One ConnectRequest carrying every AddRequest issued in one loop iteration."""
-    batch = scheduler_pb2.AddRequests()
-    for r in requests:
-        batch.requests.append(scheduler_pb2.AddRequest(
-            request_id=r.request_id,
-            kind=int(r.kind),
-            prompt_token_ids=r.prompt_token_ids,
-            token_type_ids=r.token_type_ids,
-            sampling=sampling_to_proto(r.sampling),
-            priority=r.priority,
-            traceparent=r.traceparent,
-            deadline_unix_s=r.deadline_unix_s,
-        ))
-    return scheduler_pb2.ConnectRequest(add=batch)
+    return scheduler_pb2.ConnectRequest(add=scheduler_pb2.AddRequests(requests=requests))
+
+
+def rejection_to_proto(request_id: str, error: SpindleError) -> scheduler_pb2.ConnectResponse:
+    """A step holding only `error` as the final update of `request_id`: what the scheduler sends
+    when it refuses a request, for one the frontend refuses itself."""
+    update = scheduler_pb2.RequestUpdate(request_id=request_id,
+                                         error=common_pb2.RequestError(kind=int(error.kind), message=error.message))
+    return scheduler_pb2.ConnectResponse(step=scheduler_pb2.StepUpdates(updates=[update]))
 
 
 def abort_requests_to_proto(request_ids: Sequence[str]) -> scheduler_pb2.ConnectRequest:

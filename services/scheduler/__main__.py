@@ -12,6 +12,8 @@ import logging
 import os
 import sys
 
+from grpc_health.v1 import health_pb2
+
 from services.scheduler.config import DEFAULT_LISTEN, DEFAULT_WORKER_ADDRS, SchedulerConfig
 from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.metrics import SchedulerMetrics
@@ -26,6 +28,7 @@ from shared.service_flags import (
     internal_tls_from_args,
     metrics_port_from_args,
 )
+from shared.state_store import open_state_store
 from shared.tls import grpc_server_credentials
 from shared.tracing import Tracing
 
@@ -57,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          "rounds sent ahead to a worker (2 = pipelined)"),
         ("--pipeline-quiet-rounds", "PIPELINE_QUIET_ROUNDS", defaults.pipeline_quiet_rounds,
          "rounds without admissions before a multi-step round is sent ahead (0 = always)"),
+        ("--max-waiting-requests", "MAX_WAITING_REQUESTS", defaults.max_waiting_requests,
+         "most requests waiting for admission; past it new ones are refused (RESOURCE_EXHAUSTED, HTTP 429)"),
+        ("--max-waiting-tokens", "MAX_WAITING_TOKENS", defaults.max_waiting_tokens,
+         "most prompt tokens waiting for admission; past it new requests are refused"),
     ):
         parser.add_argument(flag, type=int, default=int(_env(env, str(default))), help=f"{help_text} [SPINDLE_{env}]")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -73,6 +80,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stats-interval-s", type=float,
                         default=float(_env("STATS_INTERVAL_S", str(defaults.stats_interval_s))),
                         help="period of the counters log while busy [SPINDLE_STATS_INTERVAL_S]")
+    parser.add_argument("--state-store", default=_env("STATE_STORE", defaults.state_store),
+                        help="journal of accepted requests: memory, or redis://host:port/db (survives a scheduler "
+                             "restart) [SPINDLE_STATE_STORE]")
+    parser.add_argument("--orphan-timeout-s", type=float,
+                        default=float(_env("ORPHAN_TIMEOUT_S", str(defaults.orphan_timeout_s))),
+                        help="after a restart, journaled requests wait this long for their frontend "
+                             "[SPINDLE_ORPHAN_TIMEOUT_S]")
+    parser.add_argument("--max-worker-failures", type=int,
+                        default=int(_env("MAX_WORKER_FAILURES", str(defaults.max_worker_failures))),
+                        help="a request on this many failing workers fails alone; others move "
+                             "[SPINDLE_MAX_WORKER_FAILURES]")
+    parser.add_argument("--shutdown-grace-s", type=float,
+                        default=float(_env("SHUTDOWN_GRACE_S", str(defaults.shutdown_grace_s))),
+                        help="on SIGTERM, running requests get this long to finish (the rest stay journaled) "
+                             "[SPINDLE_SHUTDOWN_GRACE_S]")
     add_observability_arguments(parser)
     add_internal_tls_arguments(parser)
 
@@ -88,10 +110,16 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         enable_priority_preemption=args.enable_priority_preemption,
         max_inflight_rounds=args.max_inflight_rounds,
         pipeline_quiet_rounds=args.pipeline_quiet_rounds,
+        max_waiting_requests=args.max_waiting_requests,
+        max_waiting_tokens=args.max_waiting_tokens,
         worker_ready_timeout_s=args.worker_ready_timeout_s,
         stats_interval_s=args.stats_interval_s,
         metrics_port=metrics_port_from_args(args),
         internal_tls=internal_tls_from_args(args),
+        state_store=args.state_store,
+        orphan_timeout_s=args.orphan_timeout_s,
+        max_worker_failures=args.max_worker_failures,
+        shutdown_grace_s=args.shutdown_grace_s,
     )
 
 
@@ -102,9 +130,17 @@ async def serve(config: SchedulerConfig) -> None:
     tracing = Tracing.from_env("scheduler")
     # The lambda reads `engine` at scrape time: the scheduler exists once every worker is ready.
     metrics = SchedulerMetrics(lambda: engine.scheduler)
-    engine = EngineLoop(config, links, observer=SchedulerTelemetry(tracing, metrics))
+    store = open_state_store(config.state_store)
+    engine = EngineLoop(config, links, observer=SchedulerTelemetry(tracing, metrics), store=store)
     svc = await start_grpc(config.listen, lambda server: register(server, engine), [SERVICE_NAME],
                            credentials=grpc_server_credentials(config.internal_tls))
+
+    def on_ready_change(ready: bool) -> None:
+        """Health tells the truth: NOT_SERVING while no worker can serve."""
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        asyncio.get_running_loop().create_task(svc.health.set(SERVICE_NAME, status))
+
+    engine.on_ready_change = on_ready_change
     metrics_server = None
     if config.metrics_port is not None:
         metrics_server = await serve_metrics(metrics.registry, config.listen.rsplit(":", 1)[0], config.metrics_port)
@@ -130,7 +166,9 @@ async def serve(config: SchedulerConfig) -> None:
         starter.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await starter
+        await engine.drain(config.shutdown_grace_s)
         await engine.stop()
+        await store.close()
         if metrics_server is not None:
             await metrics_server.stop()
         tracing.shutdown()

@@ -32,8 +32,19 @@ class SchedulerConfig:
         worker_ready_timeout_s: give up waiting for a worker's GetWorkerInfo after this long
             (0 waits forever).
         stats_interval_s: period of the INFO counters log while busy.
+        max_waiting_requests: most requests waiting for admission (all workers together); past
+            it a new request is refused with RESOURCE_EXHAUSTED.
+        max_waiting_tokens: most tokens the waiting requests will prefill; past it a new request
+            is refused with RESOURCE_EXHAUSTED (an empty queue takes any request).
         metrics_port: port of the Prometheus /metrics endpoint (None: off; 0: a free port).
         internal_tls: mutual TLS for the SchedulerService and the channels to the workers; None: plaintext.
+        max_worker_failures: a request that was on this many failing workers fails alone (it may
+            be what makes them fail); others move to live workers.
+        state_store: where accepted requests are journaled: "memory" or a redis:// URL.
+        orphan_timeout_s: after a restart, journaled requests wait this long for their frontend
+            to re-submit them, then are dropped.
+        shutdown_grace_s: on SIGTERM new requests are refused and running ones get this long to
+            finish; what is left stays journaled for the next scheduler.
     """
 
     listen: str = DEFAULT_LISTEN
@@ -47,14 +58,20 @@ class SchedulerConfig:
     pipeline_quiet_rounds: int = 2
     worker_ready_timeout_s: float = 0.0
     stats_interval_s: float = 10.0
+    max_waiting_requests: int = 4096
+    max_waiting_tokens: int = 2**21
     metrics_port: int | None = None
     internal_tls: TlsFiles | None = None
+    max_worker_failures: int = 3
+    state_store: str = "memory"
+    orphan_timeout_s: float = 60.0
+    shutdown_grace_s: float = 20.0
 
     def __post_init__(self) -> None:
         if not self.worker_addresses:
             raise ValueError(f"{self.worker_addresses=} must name at least one worker")
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps",
-                     "max_inflight_rounds"):
+                     "max_inflight_rounds", "max_waiting_requests", "max_waiting_tokens"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
@@ -64,5 +81,11 @@ class SchedulerConfig:
             raise ValueError(f"{self.worker_ready_timeout_s=} must be >= 0")
         if self.stats_interval_s <= 0:
             raise ValueError(f"{self.stats_interval_s=} must be > 0")
+        if self.max_worker_failures < 1:
+            raise ValueError(f"{self.max_worker_failures=} must be >= 1")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"{self.shutdown_grace_s=} must be >= 0")
+        if self.orphan_timeout_s <= 0:
+            raise ValueError(f"{self.orphan_timeout_s=} must be > 0")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"{self.metrics_port=} is not a TCP port")

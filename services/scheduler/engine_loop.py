@@ -17,14 +17,17 @@ from collections.abc import Callable, Sequence
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.info import SchedulerInfo
-from services.scheduler.observer import RequestObserver
+from services.scheduler.journal import Journal
+from services.scheduler.observer import ObserverGroup, RequestObserver
 from services.scheduler.output_processor import ProtocolError
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.updates import RequestError, RequestUpdate, StepUpdates, UpdateSink
 from services.scheduler.worker_link import WorkerLink
-from shared.errors import ErrorKind
+from shared.errors import ErrorKind, UnavailableError
 from shared.execute import StepOutput
+from shared.logs import request_extra
+from shared.state_store import InMemoryStateStore, StateStore
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +45,17 @@ class EngineLoop:
     """Owns the Scheduler once every worker is ready; the servicer talks only to this."""
 
     def __init__(self, config: SchedulerConfig, links: Sequence[WorkerLink],
-                 clock: Callable[[], float] = time.time, observer: RequestObserver | None = None) -> None:
+                 clock: Callable[[], float] = time.time, observer: RequestObserver | None = None,
+                 store: StateStore | None = None) -> None:
         self.config = config
-        self.observer = observer
+        self.journal = Journal(store or InMemoryStateStore(), self._live_request)
+        self.observer = ObserverGroup([observer, self.journal] if observer is not None else [self.journal])
+        # Requests a previous scheduler journaled, waiting for their frontend to re-submit them.
+        self._orphans: dict[str, Request] = {}
+        self._rejoining: set[int] = set()
+        self._draining = False  # shutting down: new requests are refused
+        # Called with False when no worker can serve, True when one can again (gRPC health).
+        self.on_ready_change: Callable[[bool], None] | None = None
         self.links = list(links)
         self.scheduler: Scheduler | None = None
         self._clock = clock
@@ -62,6 +73,12 @@ class EngineLoop:
         """Wait for every worker, then open their streams and start scheduling."""
         infos = await asyncio.gather(*(link.wait_ready() for link in self.links))
         self.scheduler = Scheduler(self.config, infos, [link.address for link in self.links], self.observer)
+        orphans = await self.journal.load()
+        if orphans:
+            self._orphans = {r.request_id: r for r in orphans}
+            logger.info("journal: %d unfinished request(s) from a previous scheduler wait up to %.0f s for their "
+                        "frontends", len(orphans), self.config.orphan_timeout_s)
+            asyncio.get_running_loop().call_later(self.config.orphan_timeout_s, self._drop_orphans)
         for link in self.links:
             link.open(self._on_output, self._on_failure)
         self._task = asyncio.create_task(self._run(), name="engine-loop")
@@ -69,6 +86,15 @@ class EngineLoop:
         logger.info("%d worker(s) ready: model %s, %d KV blocks x %d tokens in all, max_model_len %d, "
                     "max request %d tokens", info.num_workers, info.model_id, info.num_kv_blocks,
                     info.block_size, info.max_model_len, info.max_request_tokens)
+
+    async def drain(self, grace_s: float) -> None:
+        """SIGTERM: refuse new requests; give running ones up to `grace_s` to finish."""
+        self._draining = True
+        deadline = time.monotonic() + grace_s
+        while self.scheduler is not None and self.scheduler.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = len(self.scheduler.requests) if self.scheduler is not None else 0
+        logger.info("drained: %d request(s) left for the next scheduler (journaled; frontends re-submit them)", left)
 
     async def stop(self) -> None:
         self._stopping = True  # NOTE: a cancel alone can be lost when the wake-up races it
@@ -80,6 +106,10 @@ class EngineLoop:
         for conn in self._connections.values():
             conn.outbox.put_nowait(None)
         await asyncio.gather(*(link.close() for link in self.links))
+        try:
+            await self.journal.drain()
+        except Exception as exc:  # the store is down: the next scheduler reads what did land
+            logger.error("could not write the last journal batch: %s", exc)
 
     def info(self) -> SchedulerInfo:
         return self.scheduler.info() if self.scheduler is not None else SchedulerInfo(ready=False)
@@ -109,13 +139,16 @@ class EngineLoop:
 
     def add_requests(self, connection_id: int, requests: Sequence[Request]) -> None:
         sink = UpdateSink()
-        if self.scheduler is None:
-            error = RequestError(ErrorKind.UNAVAILABLE, "the scheduler is not ready: waiting for workers")
+        if self.scheduler is None or self._draining:
+            why = "is shutting down" if self._draining else "is not ready: waiting for workers"
+            error = RequestError(ErrorKind.UNAVAILABLE, f"the scheduler {why}")
             for request in requests:
                 sink.add(connection_id, RequestUpdate(request.request_id, error=error))
         else:
             for request in requests:
                 request.connection_id = connection_id
+                if request.is_resumed:
+                    self._adopt(request)
                 self.scheduler.add_request(request, sink)
         self._deliver(sink)
         self._wake.set()
@@ -131,6 +164,31 @@ class EngineLoop:
         self._deliver(sink)
         self._wake.set()
 
+    def _adopt(self, request: Request) -> None:
+        """A frontend re-submitted a request: it replaces the journaled or stale incarnation."""
+        assert self.scheduler is not None
+        if self._orphans.pop(request.request_id, None) is not None:
+            self.journal.replace(request.request_id)
+        elif request.request_id in self.scheduler.requests:  # the old stream's copy, not yet aborted
+            self.scheduler.abort_request(request.request_id, None)
+        logger.debug("resumed after %d output tokens", request.num_output_tokens,
+                     extra=request_extra(request.request_id, request.traceparent))
+
+    def _drop_orphans(self) -> None:
+        if self._orphans:
+            logger.warning("journal: %d request(s) were never re-submitted by a frontend; dropped",
+                           len(self._orphans))
+        for request_id in self._orphans:
+            self.journal.forget(request_id)
+        self._orphans.clear()
+
+    def _live_request(self, request_id: str) -> Request | None:
+        return self.scheduler.requests.get(request_id) if self.scheduler is not None else None
+
+    @property
+    def num_orphans(self) -> int:
+        return len(self._orphans)
+
     # ---- workers ----
 
     def _on_output(self, worker_index: int, output: StepOutput) -> None:
@@ -139,16 +197,55 @@ class EngineLoop:
         try:
             self.scheduler.update_from_output(worker_index, output, sink)
         except ProtocolError as exc:
-            self.scheduler.fail_worker(worker_index, f"it broke the round protocol: {exc}", sink)
+            self._fail_worker(worker_index, f"it broke the round protocol: {exc}", sink)
+        self.journal.note_progress(output.request_ids)
         self._deliver(sink)
         self._wake.set()
 
     def _on_failure(self, worker_index: int, message: str) -> None:
-        assert self.scheduler is not None
         sink = UpdateSink()
-        self.scheduler.fail_worker(worker_index, message, sink)
+        self._fail_worker(worker_index, message, sink)
         self._deliver(sink)
         self._wake.set()
+
+    def _fail_worker(self, worker_index: int, message: str, sink: UpdateSink) -> None:
+        """Move the worker's requests elsewhere, then reconnect to it in the background."""
+        scheduler = self.scheduler
+        assert scheduler is not None
+        was_ready = scheduler.has_live_workers
+        scheduler.fail_worker(worker_index, message, sink)
+        if was_ready and not scheduler.has_live_workers and self.on_ready_change is not None:
+            self.on_ready_change(False)
+        if worker_index not in self._rejoining and not self._stopping:
+            self._rejoining.add(worker_index)
+            asyncio.get_running_loop().create_task(self._rejoin(worker_index), name=f"rejoin-worker-{worker_index}")
+
+    async def _rejoin(self, worker_index: int) -> None:
+        """Wait for the worker to answer again (restarted or reachable), then give it work."""
+        link = self.links[worker_index]
+        try:
+            await link.reset()
+            while True:
+                try:
+                    info = await link.wait_ready()
+                    break
+                except UnavailableError:  # --worker-ready-timeout-s passed: keep trying, it may return
+                    await asyncio.sleep(1.0)
+            scheduler = self.scheduler
+            if self._stopping or scheduler is None:
+                return
+            was_ready = scheduler.has_live_workers
+            scheduler.revive_worker(worker_index, info)
+            link.open(self._on_output, self._on_failure)
+            if not was_ready and self.on_ready_change is not None:
+                self.on_ready_change(True)
+            self._wake.set()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("worker %d could not rejoin; it stays out", worker_index)
+        finally:
+            self._rejoining.discard(worker_index)
 
     # ---- the loop ----
 

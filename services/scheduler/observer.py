@@ -37,3 +37,34 @@ class RequestObserver:
 
     def on_round(self, worker_index: int, round_: ExecuteRound, num_samplers: int) -> None:
         """A round was sent; `num_samplers` requests decode in each of its steps after step 0."""
+
+
+class ObserverGroup(RequestObserver):
+    """Calls every hook of each observer in turn (telemetry and the journal, say)."""
+
+    def __init__(self, observers: list[RequestObserver]) -> None:
+        self.observers = observers
+
+    def on_added(self, request: Request, worker_index: int) -> None:
+        for o in self.observers:
+            o.on_added(request, worker_index)
+
+    def on_admitted(self, request: Request, worker_index: int, num_hit_tokens: int) -> None:
+        for o in self.observers:
+            o.on_admitted(request, worker_index, num_hit_tokens)
+
+    def on_preempted(self, request: Request, worker_index: int) -> None:
+        for o in self.observers:
+            o.on_preempted(request, worker_index)
+
+    def on_first_token(self, request: Request) -> None:
+        for o in self.observers:
+            o.on_first_token(request)
+
+    def on_finished(self, request: Request, reason: StopReason | None, worker_index: int) -> None:
+        for o in self.observers:
+            o.on_finished(request, reason, worker_index)
+
+    def on_round(self, worker_index: int, round_: ExecuteRound, num_samplers: int) -> None:
+        for o in self.observers:
+            o.on_round(worker_index, round_, num_samplers)

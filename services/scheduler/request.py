@@ -80,6 +80,8 @@ class Request:
     num_inflight_rounds: int = field(init=False, default=0)
     is_on_worker: bool = field(init=False, default=False)  # the worker holds state for it
     span_traceparent: str = field(init=False, default="")  # the scheduler's span for it, when tracing
+    is_resumed: bool = field(init=False, default=False)  # re-submitted by its frontend after a reconnect
+    num_worker_failures: int = field(init=False, default=0)  # workers that died or failed a round under it
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
@@ -109,6 +111,15 @@ class Request:
     @property
     def is_generate(self) -> bool:
         return self.kind is RequestKind.GENERATE
+
+    def reset_for_recompute(self) -> None:
+        """Its worker is gone: it holds nothing anywhere and will recompute prompt + output."""
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_inflight_tokens = 0
+        self.num_inflight_rounds = 0
+        self.is_on_worker = False
+        self.worker_index = None
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

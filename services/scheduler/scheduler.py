@@ -4,7 +4,7 @@ RULE (hot path, as vLLM V2's model runner): this module is shared by every model
 feature logic lives elsewhere and is called from here: round planning in round_builder.py
 (chunked prefill, preemption), multi_step.py (steps per round), pooling.py (prefill-only
 models), placement.py (data parallel), output_processor.py (stops), kv_block_manager.py
-(blocks, prefix cache). Everything here is O(changed) per call except `schedule`, whose
+(blocks, prefix cache), backpressure.py (queue bounds). Everything here is O(changed) per call except `schedule`, whose
 cost is proportional to the requests it puts in the round. No I/O, no asyncio, no protobuf.
 """
 
@@ -15,13 +15,14 @@ import itertools
 import logging
 from collections.abc import Sequence
 
+from services.scheduler.backpressure import queue_full_error
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.info import SchedulerInfo, SchedulerStats
 from services.scheduler.observer import RequestObserver
 from services.scheduler.output_processor import OutputProcessor
 from services.scheduler.placement import choose_worker
 from services.scheduler.pooling import build_pooling_round
-from services.scheduler.request import Request
+from services.scheduler.request import Request, RequestStatus
 from services.scheduler.round_builder import RoundBuilder
 from services.scheduler.updates import RequestError, RequestUpdate, UpdateSink
 from services.scheduler.worker_state import WorkerState
@@ -57,6 +58,8 @@ class Scheduler:
         self.max_model_len = min(info.max_model_len for info in worker_infos)
         self.workers = [WorkerState(i, addresses[i], info, config.enable_prefix_caching, observer)
                         for i, info in enumerate(worker_infos)]
+        self._observer = observer
+        self._homeless: list[Request] = []  # requests waiting for any worker to be alive
         self.max_request_tokens = self._max_request_tokens(worker_infos)
         self.requests: dict[str, Request] = {}
         self._by_connection: dict[int, set[str]] = {}
@@ -74,7 +77,7 @@ class Scheduler:
 
     def add_request(self, request: Request, sink: UpdateSink) -> None:
         """Queue a request on a worker, or finish it at once with an error update."""
-        error = self._validate(request)
+        error = self._validate(request) or queue_full_error(self.workers, request, self.config)
         ws = None
         if error is None:
             ws = choose_worker(self.workers, request)
@@ -98,8 +101,13 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return False
-        assert request.worker_index is not None
-        self.workers[request.worker_index].finish(request, StopReason.ABORTED)
+        if request.worker_index is None:  # held for a worker to come back
+            self._homeless.remove(request)
+            request.status, request.stop_reason = RequestStatus.FINISHED, StopReason.ABORTED
+            if self._observer is not None:
+                self._observer.on_finished(request, StopReason.ABORTED, -1)
+        else:
+            self.workers[request.worker_index].finish(request, StopReason.ABORTED)
         self._forget(request)
         if sink is not None:
             sink.add(request.connection_id, RequestUpdate(
@@ -148,19 +156,55 @@ class Scheduler:
         self.num_steps += 1
 
     def fail_worker(self, worker_index: int, message: str, sink: UpdateSink) -> None:
-        """The worker is gone: fail its requests with UNAVAILABLE; others keep running."""
+        """The worker died or failed a round: move its requests to live workers (or hold them).
+
+        Nothing is lost: each request recomputes prompt + the output already sent, on another
+        worker, or on this one when it rejoins. A request that was on `max_worker_failures`
+        failing workers is failed alone (it may be what breaks them).
+        """
         ws = self.workers[worker_index]
         if not ws.is_alive:
             return
         ws.is_alive = False
-        ws.inflight.clear()
-        error = RequestError(ErrorKind.UNAVAILABLE, f"worker {ws.address} failed: {message}")
-        for request in list(ws.requests.values()):
-            ws.finish(request, None)
-            self._forget(request)
-            sink.add(request.connection_id, RequestUpdate(request.request_id, error=error))
-        logger.error("worker %d (%s) failed: %s; %d worker(s) left", worker_index, ws.address, message,
-                     sum(w.is_alive for w in self.workers))
+        moved = ws.evict_all()
+        limit = self.config.max_worker_failures
+        for request in moved:
+            request.num_worker_failures += 1
+            if request.num_worker_failures >= limit:
+                self._fail_alone(request, ws.index, f"it was on {limit} workers that failed (last: {message})", sink)
+            else:
+                self._place(request)
+        logger.error("worker %d (%s) failed: %s; %d request(s) moved; %d worker(s) left", worker_index, ws.address,
+                     message, len(moved), sum(w.is_alive for w in self.workers))
+
+    def revive_worker(self, worker_index: int, info: WorkerInfo) -> None:
+        """The worker is back (restarted or reconnected), empty: it takes requests again."""
+        ws = self.workers[worker_index]
+        first = self.workers[0 if worker_index else -1].info
+        if (info.model_id, info.task, info.block_size) != (first.model_id, first.task, first.block_size):
+            raise ValueError(f"worker {ws.address} came back serving something else: {info}")
+        ws.info = info
+        ws.evict_all()  # a fresh pool sized as it reports now
+        ws.is_alive = True
+        homeless, self._homeless = self._homeless, []
+        for request in homeless:
+            self._place(request)
+        logger.info("worker %d (%s) rejoined; %d held request(s) placed", worker_index, ws.address, len(homeless))
+
+    def _place(self, request: Request) -> None:
+        ws = choose_worker(self.workers, request)
+        if ws is None:
+            self._homeless.append(request)  # no live worker: wait for one to return
+        else:
+            ws.add(request)
+
+    def _fail_alone(self, request: Request, worker_index: int, reason: str, sink: UpdateSink) -> None:
+        request.status = RequestStatus.FINISHED
+        self._forget(request)
+        if self._observer is not None:
+            self._observer.on_finished(request, None, worker_index)
+        sink.add(request.connection_id, RequestUpdate(request.request_id, error=RequestError(
+            ErrorKind.INTERNAL, f"request {request.request_id} failed: {reason}")))
 
     @property
     def has_live_workers(self) -> bool:
@@ -175,7 +219,7 @@ class Scheduler:
             num_prefix_query_tokens=sum(kv.num_query_tokens for kv in kvs),
             num_prefix_hit_tokens=sum(kv.num_hit_tokens for kv in kvs),
             num_running=sum(len(ws.running) + len(ws.pooling_inflight) for ws in self.workers),
-            num_waiting=sum(len(ws.waiting) + len(ws.draining) for ws in self.workers),
+            num_waiting=sum(len(ws.waiting) + len(ws.draining) for ws in self.workers) + len(self._homeless),
             num_finished=self.num_finished,
             num_aborted=self.num_aborted,
             num_failed=self.num_failed,

@@ -1,16 +1,27 @@
-"""SchedulerService gRPC adapter: decode, call the engine loop, encode. No state of its own."""
+"""SchedulerService gRPC adapter: decode, call the engine loop, encode. No state of its own.
+
+Each frontend's Connect stream is read by one task. One request that cannot be converted or
+added fails alone (an error update to its frontend); a reader that fails for any other reason
+ends the stream with UNAVAILABLE, loudly, so the frontend reconnects: a connection is never
+left open with nobody reading it.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
 from services.scheduler import wire
-from services.scheduler.engine_loop import EngineLoop
+from services.scheduler.engine_loop import EngineLoop, FrontendConnection
+from services.scheduler.updates import RequestError, RequestUpdate, StepUpdates
+from shared.errors import ErrorKind
 from shared.pb.spindle.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "spindle.v1.SchedulerService"
 
@@ -23,27 +34,70 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                       context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.ConnectResponse]:
         """One StepUpdates per step out; adds and aborts in; unfinished requests aborted at the end."""
         conn = self.engine.connect()
-        reader = asyncio.create_task(self._read(conn.id, request_iterator))
+        reader = asyncio.create_task(self._read(conn, request_iterator))
         try:
             while (batch := await conn.outbox.get()) is not None:
                 yield wire.step_updates_to_proto(batch.updates)
+            if reader.done() and (failure := reader.result()) is not None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, failure)
         finally:
             reader.cancel()
             self.engine.disconnect(conn.id)
 
-    async def _read(self, connection_id: int, messages: AsyncIterator[scheduler_pb2.ConnectRequest]) -> None:
-        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+    async def _read(self, conn: FrontendConnection,
+                    messages: AsyncIterator[scheduler_pb2.ConnectRequest]) -> str | None:
+        """Apply the frontend's adds and aborts until it closes its side (None), or why the stream must end."""
+        try:
             async for msg in messages:
                 if msg.HasField("add"):
-                    self.engine.add_requests(connection_id, [
-                        wire.request_from_proto(r, connection_id) for r in msg.add.requests])
+                    for add in msg.add.requests:
+                        self._add(conn, add)
                 elif msg.HasField("abort"):
-                    self.engine.abort_requests(connection_id, list(msg.abort.request_ids))
-            self.engine.close_input(connection_id)
+                    self._abort(conn, msg.abort.request_ids)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as exc:  # the stream broke under the reader
+            failure = f"reading the stream failed: {exc.code().name} {exc.details()}"
+            logger.warning("frontend connection %d: %s", conn.id, failure)
+        except Exception as exc:
+            failure = f"the scheduler failed reading this stream ({type(exc).__name__}: {exc}); reconnect"
+            logger.exception("frontend connection %d: reader failed; ending the stream", conn.id)
+        else:
+            self.engine.close_input(conn.id)
+            return None
+        conn.outbox.put_nowait(None)  # ends Connect, which aborts the connection's requests
+        return failure
+
+    def _add(self, conn: FrontendConnection, msg: scheduler_pb2.AddRequest) -> None:
+        """Queue one request; failing to convert or add it fails it alone."""
+        try:
+            request = wire.request_from_proto(msg, conn.id)
+        except ValueError as exc:  # e.g. an enum value this scheduler does not know
+            _reject(conn, msg.request_id, ErrorKind.INVALID_ARGUMENT, f"the request cannot be read: {exc}")
+            return
+        try:
+            self.engine.add_requests(conn.id, [request])
+        except Exception as exc:
+            logger.exception("adding request %s failed; failing it alone", msg.request_id)
+            _reject(conn, msg.request_id, ErrorKind.INTERNAL, f"the scheduler failed to add the request: {exc}")
+            with contextlib.suppress(Exception):  # drop whatever part of it was added
+                self.engine.abort_requests(conn.id, [msg.request_id])
+
+    def _abort(self, conn: FrontendConnection, request_ids: Sequence[str]) -> None:
+        try:
+            self.engine.abort_requests(conn.id, list(request_ids))
+        except Exception:  # those requests end with the connection at the latest
+            logger.exception("frontend connection %d: aborting %d request(s) failed", conn.id, len(request_ids))
 
     async def GetSchedulerInfo(self, request: scheduler_pb2.GetSchedulerInfoRequest,
                                context: grpc.aio.ServicerContext) -> scheduler_pb2.GetSchedulerInfoResponse:
         return wire.info_to_proto(self.engine.info())
+
+
+def _reject(conn: FrontendConnection, request_id: str, kind: ErrorKind, message: str) -> None:
+    """Tell the frontend its request failed (its final update); nothing of it stays here."""
+    update = RequestUpdate(request_id, error=RequestError(kind, f"request {request_id!r}: {message}"))
+    conn.outbox.put_nowait(StepUpdates([update]))
 
 
 def register(server: grpc.aio.Server, engine: EngineLoop) -> None:

@@ -36,6 +36,11 @@ class SchedulerTelemetry(RequestObserver):
         self._requests: dict[str, _RequestTrace] = {}
 
     def on_added(self, request: Request, worker_index: int) -> None:
+        known = self._requests.get(request.request_id)
+        if known is not None:  # moved off a failed worker
+            if known.span is not None:
+                known.span.add_event("moved", {"spindle.worker": worker_index})
+            return
         span = None
         if self.tracing.enabled:
             span = self.tracing.start_span("scheduler.request", request.traceparent, SpanKind.INTERNAL, {

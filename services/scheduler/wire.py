@@ -17,7 +17,7 @@ from shared.types import RequestKind, StopReason
 
 
 def request_from_proto(msg: scheduler_pb2.AddRequest, connection_id: int) -> Request:
-    return Request(
+    request = Request(
         request_id=msg.request_id,
         prompt_token_ids=list(msg.prompt_token_ids),
         sampling=sampling_from_proto(msg.sampling),
@@ -28,7 +28,10 @@ def request_from_proto(msg: scheduler_pb2.AddRequest, connection_id: int) -> Req
         deadline_unix_s=msg.deadline_unix_s,
         cache_salts=tuple(msg.cache_salts),
         token_type_ids=list(msg.token_type_ids),
+        output_token_ids=list(msg.output_token_ids),
     )
+    request.is_resumed = msg.resumed
+    return request
 
 
 def add_requests_to_proto(requests: Sequence[Request]) -> scheduler_pb2.ConnectRequest:
@@ -38,6 +41,7 @@ def add_requests_to_proto(requests: Sequence[Request]) -> scheduler_pb2.ConnectR
             request_id=r.request_id, kind=int(r.kind), prompt_token_ids=r.prompt_token_ids,
             token_type_ids=r.token_type_ids, sampling=sampling_to_proto(r.sampling), priority=r.priority,
             traceparent=r.traceparent, deadline_unix_s=r.deadline_unix_s, cache_salts=r.cache_salts,
+            output_token_ids=r.output_token_ids, resumed=r.is_resumed,
         )
         for r in requests
     ]))

@@ -3,7 +3,8 @@
 Waits until the worker answers GetWorkerInfo (backoff, progress logged), then keeps one
 bidi Execute stream: rounds go out in the order `send` is called, step outputs come back
 through a callback. A broken stream is reported once through `on_failure`; the client never
-reconnects (the worker lost its per-request state, so the scheduler fails those requests).
+reconnects by itself: the engine loop moves the worker's requests elsewhere, calls `reset`,
+waits for the worker again and `open`s a new stream (the worker starts it from scratch).
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class WorkerClient:
             backoff = min(backoff * 2, self._backoff_max_s)
 
     def open(self, on_output: OnOutput, on_failure: OnFailure) -> None:
-        self._call = self._stub.Execute(self._requests())
+        self._outbox = asyncio.Queue()  # a fresh stream starts with no rounds of an old one
+        self._call = self._stub.Execute(self._requests(self._outbox))
         self._reader = asyncio.create_task(self._read(self._call, on_output, on_failure),
                                            name=f"worker-{self.index}-reader")
 
@@ -89,8 +91,20 @@ class WorkerClient:
                 await self._reader
         await self._channel.close()
 
-    async def _requests(self) -> AsyncIterator[worker_pb2.ExecuteRequest]:
-        while (rnd := await self._outbox.get()) is not None:
+    async def reset(self) -> None:
+        """Drop the broken stream (its queued rounds too), so `wait_ready` and `open` can start anew."""
+        self._outbox.put_nowait(None)
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        reader, self._reader = self._reader, None
+        if reader is not None and reader is not asyncio.current_task():
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+
+    async def _requests(self, outbox: asyncio.Queue[ExecuteRound | None]) -> AsyncIterator[worker_pb2.ExecuteRequest]:
+        while (rnd := await outbox.get()) is not None:
             yield round_to_proto(rnd)
 
     async def _read(self, call: grpc.aio.StreamStreamCall, on_output: OnOutput, on_failure: OnFailure) -> None:

@@ -168,6 +168,27 @@ class WorkerState:
                      reason.name if reason is not None else "error", request.num_output_tokens,
                      extra={"request_id": request.request_id})
 
+    def evict_all(self) -> list[Request]:
+        """The worker is gone: take every request off it (its blocks, cache and rounds went with it).
+
+        The KV pool starts empty, as the worker will when it rejoins.
+        """
+        requests = list(self.requests.values())
+        for request in requests:
+            request.reset_for_recompute()
+        self.requests.clear()
+        self.running.clear()
+        self.waiting = WaitingQueue()
+        self.draining.clear()
+        self.pooling_inflight.clear()
+        self.inflight.clear()
+        self.pending_finished_ids.clear()
+        self.rounds_since_admission = 0
+        self.next_round_id = 0  # a new Execute stream numbers its rounds from 0
+        if self.kv is not None:
+            self.kv = KVBlockManager(self.info.num_kv_blocks, self.info.block_size, self.kv.enable_prefix_caching)
+        return requests
+
     def round_done(self, rnd: InflightRound) -> None:
         """The round's last step came back: requests preempted meanwhile may queue again."""
         for entry in rnd.entries:

@@ -108,7 +108,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
                 self.add_batches.append(len(message.add.requests))
                 for add in message.add.requests:
                     self.added.append(add)
-                    self.running[add.request_id] = FakeRequest(add, self.script(list(add.prompt_token_ids)))
+                    # A re-submission continues after the tokens its client already has.
+                    self.running[add.request_id] = FakeRequest(add, self.script(list(add.prompt_token_ids)),
+                                                               num_generated=len(add.output_token_ids))
             else:
                 self.aborted.extend(message.abort.request_ids)
                 for request_id in message.abort.request_ids:

@@ -10,6 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.frontend.server import Frontend
+from services.frontend.servicer import SERVICE_NAME
 from shared.pb.spindle.v1 import common_pb2, generation_pb2_grpc
 from shared.pb.spindle.v1 import generation_pb2 as pb
 from tests.frontend.conftest import MODEL_NAME
@@ -129,20 +130,51 @@ async def test_concurrent_requests_are_batched_into_one_add_message(stub: Stub, 
     assert all(r[-1].usage.completion_tokens == 2 for r in results)  # type: ignore[union-attr]
 
 
-async def test_scheduler_stream_break_fails_in_flight_with_unavailable_then_reconnects(
+async def test_scheduler_stream_break_resumes_in_flight_requests_without_losing_a_token(
         stub: Stub, fake: FakeScheduler, frontend: Frontend) -> None:
-    call = stub.Generate(pb.GenerateRequest(model=MODEL_NAME, text="hello", sampling=pb.SamplingParams(max_tokens=100)))
-    await call.read()
-    fake.break_stream()
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        while await call.read() is not grpc.aio.EOF:
-            pass
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    await frontend.scheduler.wait_ready(10)
-    request = pb.GenerateRequest(model=MODEL_NAME, text="hello", sampling=pb.SamplingParams(max_tokens=2))
-    _, last = await _collect(stub, request)
+    fake.step_interval_s = 0.02
+    request = pb.GenerateRequest(model=MODEL_NAME, text="hello", sampling=pb.SamplingParams(max_tokens=12))
+    call = stub.Generate(request)
+    received: list[int] = []
+    while len(received) < 3:
+        received.extend((await call.read()).chunk.token_ids)
+    fake.break_stream()  # as a crashed scheduler would
+    while (response := await call.read()) is not grpc.aio.EOF:
+        if response.HasField("chunk"):
+            received.extend(response.chunk.token_ids)
+        last = response
     assert last.complete.finish_reason == pb.FINISH_REASON_LENGTH
-    assert fake.num_connects == 2
+    first, again = fake.added[0], fake.added[-1]
+    assert fake.num_connects == 2 and again.resumed and not first.resumed
+    assert 3 <= len(again.output_token_ids) < 12
+    # Nothing duplicated, nothing missing: exactly what an unbroken stream gives.
+    script = fake.script(list(first.prompt_token_ids))
+    assert received == [script[i % len(script)] for i in range(12)]
+    assert received[:len(again.output_token_ids)] == list(again.output_token_ids)
+
+
+async def test_requests_fail_with_unavailable_when_no_scheduler_returns_in_time(
+        tokenizer_dir: object, fake: FakeScheduler, scheduler_addr: str) -> None:
+    from tests.frontend.conftest import make_config
+
+    server = Frontend(make_config(tokenizer_dir, scheduler_addr))  # type: ignore[arg-type]
+    server.scheduler._resume_timeout_s = 0.3
+    server.scheduler._backoff_initial_s = server.scheduler._backoff_max_s = 5.0  # it will not reconnect in time
+    await server.start()
+    try:
+        await server.scheduler.wait_ready(10)
+        async with grpc.aio.insecure_channel(server.grpc_address) as channel:
+            call = Stub(channel).Generate(pb.GenerateRequest(model=MODEL_NAME, text="hello",
+                                                             sampling=pb.SamplingParams(max_tokens=100)))
+            await call.read()
+            fake.break_stream()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "did not come back" in (info.value.details() or "")
+    finally:
+        await server.stop(0)
 
 
 async def test_request_timeout_aborts_with_finish_reason_abort(tokenizer_dir: object, fake: FakeScheduler,
@@ -211,9 +243,11 @@ async def test_health_is_not_serving_until_the_scheduler_is_ready(tokenizer_dir:
     try:
         async with grpc.aio.insecure_channel(server.grpc_address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
-            check = health_pb2.HealthCheckRequest(service="")
+            check = health_pb2.HealthCheckRequest(service=SERVICE_NAME)  # readiness
             await asyncio.sleep(0.2)
             assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            liveness = await health.Check(health_pb2.HealthCheckRequest(service=""))
+            assert liveness.status == health_pb2.HealthCheckResponse.SERVING  # alive, so never restarted for it
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await _collect(Stub(channel), pb.GenerateRequest(model=MODEL_NAME, text="hi"))
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE

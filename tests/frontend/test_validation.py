@@ -12,6 +12,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from services.frontend.generation_defaults import GenerationDefaults
+from services.frontend.limits import RequestLimits
 from services.frontend.messages import SamplingRequest, SchedulerInfo
 from services.frontend.server import Frontend
 from services.frontend.validation import check_sampling, resolve_sampling
@@ -49,7 +50,7 @@ def test_model_generation_config_sets_defaults_that_requests_override(tmp_path: 
 ])
 def test_out_of_range_sampling_value_names_field_and_value(field: str, value: float) -> None:
     with pytest.raises(InvalidArgumentError, match=rf"^{field}={value}"):
-        check_sampling(SamplingRequest(**{field: value}), vocab_size=512)
+        check_sampling(SamplingRequest(**{field: value}), vocab_size=512, limits=RequestLimits())
 
 
 # ---- gRPC -----------------------------------------------------------------------------------

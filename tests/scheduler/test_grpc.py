@@ -172,7 +172,7 @@ async def test_half_closed_stream_ends_after_its_requests_finish(stack: Stack) -
     assert rejected.error is not None and rejected.error.kind is ErrorKind.INVALID_ARGUMENT
 
 
-async def test_failed_worker_fails_its_requests_with_unavailable(stack: Stack) -> None:
+async def test_failed_worker_moves_its_requests_to_the_live_worker(stack: Stack) -> None:
     await _wait_ready(stack.stub)
     scheduler = stack.engine.scheduler
     assert scheduler is not None
@@ -184,18 +184,24 @@ async def test_failed_worker_fails_its_requests_with_unavailable(stack: Stack) -
 
     call = stack.stub.Connect(requests())
     outbox.put_nowait(wire.add_requests_to_proto([_request("p", [5, 6], 100), _request("q", [7, 8], 100)]))
-    await call.read()
+    tokens: dict[str, int] = {"p": 0, "q": 0}
+    finished: dict[str, StopReason] = {}
+    msg = await call.read()
     doomed = scheduler.requests["p"].worker_index
     assert doomed is not None and scheduler.requests["q"].worker_index != doomed
     await stack.worker_servers[doomed].stop(0)
-    errors = {}
-    while "p" not in errors:
-        msg = await call.read()
+    while True:
         for update in map(wire.update_from_proto, msg.step.updates):
-            if update.error is not None:
-                errors[update.request_id] = update.error
-    assert errors["p"].kind is ErrorKind.UNAVAILABLE and "failed" in errors["p"].message
-    assert "q" in scheduler.requests, "the other worker keeps serving"
+            assert update.error is None, update.error
+            tokens[update.request_id] += len(update.token_ids)
+            if update.stop_reason is not None:
+                finished[update.request_id] = update.stop_reason
+        if len(finished) == 2:
+            break
+        msg = await call.read()
+    assert finished == {"p": StopReason.LENGTH, "q": StopReason.LENGTH}
+    assert tokens == {"p": 100, "q": 100}, "nothing duplicated or missing across the move"
+    assert not scheduler.workers[doomed].is_alive and not scheduler.requests
     call.cancel()
 
 

@@ -271,7 +271,7 @@ def test_new_request_goes_to_worker_with_longest_prefix_hit_then_least_loaded() 
     assert sched.requests["d"].worker_index == 1  # tie (no hit): least loaded, lowest index
 
 
-def test_failed_worker_fails_its_requests_and_others_keep_serving() -> None:
+def test_failed_worker_moves_its_requests_and_others_keep_serving() -> None:
     sched, workers = _make(num_workers=2)
     sink = UpdateSink()
     sched.add_request(_req("a", [5, 6]), sink)
@@ -279,13 +279,39 @@ def test_failed_worker_fails_its_requests_and_others_keep_serving() -> None:
     for index, rnd in sched.schedule().items():
         workers[index].submit(rnd)
     sched.fail_worker(0, "stream closed", sink)
-    [update] = _updates(sink)
-    assert update.request_id == "a" and update.error is not None
-    assert update.error.kind is ErrorKind.UNAVAILABLE and "stream closed" in update.error.message
+    assert not _updates(sink), "nobody fails: the request moves"
+    assert sched.requests["a"].worker_index == 1 and sched.requests["a"].num_computed_tokens == 0
     sched.add_request(_req("c", [9]), sink)
     assert sched.requests["c"].worker_index == 1
-    tokens = _run_until_done(sched, [FakeWorker(1, 4), workers[1]])  # worker 0's outputs never arrive
-    assert set(tokens) == {"b", "c"}
+    tokens = _run_until_done(sched, [FakeWorker(64, 4), workers[1]])  # worker 0's outputs never arrive
+    assert {rid: len(t) for rid, t in tokens.items()} == {"a": 8, "b": 8, "c": 8}
+    sched.workers[1].kv.check_invariants()  # type: ignore[union-attr]
+
+
+def test_requests_wait_for_a_worker_to_rejoin_and_a_repeat_offender_fails_alone() -> None:
+    sched, workers = _make(num_workers=1, max_worker_failures=2)
+    sink = UpdateSink()
+    sched.add_request(_req("a", [5, 6]), sink)
+    workers[0].submit(sched.schedule()[0])
+    sched.fail_worker(0, "stream closed", sink)
+    assert sched.requests["a"].worker_index is None and not sched.info().ready  # held: no live worker
+    assert sched.stats().num_waiting == 1 and not _updates(sink)
+    sched.revive_worker(0, workers[0].info)
+    assert sched.requests["a"].worker_index == 0 and sched.info().ready
+    workers[0] = FakeWorker(64, 4)
+    workers[0].submit(sched.schedule()[0])
+    sched.fail_worker(0, "round raised", sink)  # a's second failing worker: it fails alone
+    [update] = _updates(sink)
+    assert update.request_id == "a" and update.error is not None and "round raised" in update.error.message
+    assert not sched.requests
+
+
+def test_abort_of_a_request_held_for_a_worker() -> None:
+    sched, workers = _make(num_workers=1)
+    sink = UpdateSink()
+    sched.add_request(_req("a", [5, 6]), sink)
+    sched.fail_worker(0, "gone", sink)
+    assert sched.abort_request("a", sink) and not sched.requests and sched.stats().num_waiting == 0
 
 
 def test_embed_requests_are_batched_and_pooled() -> None:
