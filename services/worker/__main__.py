@@ -107,6 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=_optional_int(_env("NUM_THREADS", "")),
         help="torch CPU threads [SPINDLE_NUM_THREADS]",
     )
+    parser.add_argument("--fault-fail-round", type=int, default=int(_env("FAULT_FAIL_ROUND", "0")),
+                        help="fault injection for tests: the n-th round this process runs raises; 0: never "
+                             "[SPINDLE_FAULT_FAIL_ROUND]")
     add_observability_arguments(parser)
     add_internal_tls_arguments(parser)
 
@@ -126,6 +129,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
         metrics_port=metrics_port_from_args(args),
+        fault_fail_round=args.fault_fail_round,
         internal_tls=internal_tls_from_args(args),
     )
 
@@ -150,7 +154,7 @@ async def serve(config: WorkerConfig) -> None:
     except BaseException:
         await service.server.stop(0)
         raise
-    pipeline = RoundPipeline(worker.runner, telemetry)
+    pipeline = RoundPipeline(worker.runner, telemetry, config.fault_fail_round)
     servicer.attach(worker.info, pipeline)
     await service.set_serving([SERVICE_NAME])
     telemetry.metrics.ready.set(1)

@@ -49,6 +49,7 @@ class WorkerConfig:
     max_model_len: int | None = None
     num_threads: int | None = None
     metrics_port: int | None = None
+    fault_fail_round: int = 0
     internal_tls: TlsFiles | None = None
 
     def __post_init__(self) -> None:

@@ -44,9 +44,12 @@ class RoundFailedError(Exception):
 class RoundPipeline:
     """Serialises Execute streams onto the worker's compute thread (one stream at a time)."""
 
-    def __init__(self, runner: Runner, telemetry: WorkerTelemetry | None = None) -> None:
+    def __init__(self, runner: Runner, telemetry: WorkerTelemetry | None = None, fail_round: int = 0) -> None:
         self.runner = runner
         self.telemetry = telemetry or WorkerTelemetry()
+        # Fault injection for tests (--fault-fail-round): the n-th round this process runs raises once.
+        self._fail_round = fail_round
+        self._num_rounds_run = 0
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spindle-compute")
         self._active = False
 
@@ -79,6 +82,9 @@ class RoundPipeline:
                 on_step(step)
 
             try:
+                self._num_rounds_run += 1
+                if self._num_rounds_run == self._fail_round:
+                    raise RuntimeError(f"injected fault: round {self._num_rounds_run} of this worker fails")
                 self.runner.execute_round(round_, on_timed_step)
                 trace.end()
             except Exception as exc:

@@ -115,3 +115,22 @@ def spindle_services(model_dir: Path, worker_args: tuple[str, ...] = (), schedul
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (no dependency on ps)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found

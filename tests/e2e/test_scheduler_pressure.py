@@ -16,7 +16,7 @@ import pytest
 from shared.pb.spindle.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.e2e.clients import Generated, grpc_channel, grpc_generate
 from tests.e2e.oracle import greedy_tokens
-from tests.e2e.server import spindle_serve, spindle_services
+from tests.e2e.server import descendants, spindle_serve, spindle_services
 
 pytestmark = pytest.mark.e2e
 
@@ -107,28 +107,9 @@ def test_several_workers(tiny_models: dict[str, Path]) -> None:
     assert_matches_oracle(model_dir, jobs, results)
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid`, from /proc (no dependency on ps)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            parents.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        children = parents.get(todo.pop(), [])
-        found += children
-        todo += children
-    return found
-
-
 def test_sigterm_stops_every_process(tiny_models: dict[str, Path]) -> None:
     with spindle_serve(tiny_models["llama"]) as server:
-        children = _descendants(server.process.pid)
+        children = descendants(server.process.pid)
         assert len(children) >= 3
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(timeout=30) == 0
