@@ -69,8 +69,11 @@ def _bound(value: float) -> str:
 
 
 def show_number(value: float) -> str:
-    """A client's number for an error message; a huge JSON integer stays short."""
-    return f"{value:.3e}" if isinstance(value, int) and abs(value) >= 10**30 else str(value)
+    """A client's number for an error message; a huge JSON integer stays short (and never meets float())."""
+    if not isinstance(value, int) or abs(value) < 10**30:
+        return str(value)
+    digits = str(abs(value))
+    return f"{'-' if value < 0 else ''}{digits[0]}.{digits[1:4]}e+{len(digits) - 1}"
 
 
 # The allowed range of each numeric sampling field (None values are skipped).

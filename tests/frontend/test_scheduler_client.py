@@ -75,3 +75,19 @@ async def test_lost_connection_fails_in_flight_requests_with_unavailable() -> No
     client._fail_all("gone")
     [update] = await anext(stream)
     assert update.error is not None and type(update.error).__name__ == "UnavailableError"
+
+
+async def test_a_request_that_cannot_be_serialised_fails_alone_and_the_batch_still_leaves() -> None:
+    client, outbox = _client()
+    bad = _add("bad")
+    bad.priority = 2**40  # past int32: validation should have refused it, so the flush must cope
+    streams = [client.submit(_add("a")), client.submit(bad), client.submit(_add("b"))]
+    await asyncio.sleep(0)
+    [adds] = _sent(outbox)
+    assert [r.request_id for r in adds.add.requests] == ["a", "b"]
+    [update] = await anext(streams[1])
+    assert type(update.error).__name__ == "InvalidArgumentError" and "bad" in update.error.message
+    assert client.num_in_flight == 2
+    streams[1].close()  # already finished: no abort goes out
+    await asyncio.sleep(0)
+    assert not _sent(outbox)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -14,8 +15,8 @@ from services.scheduler import wire
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.request import Request
-from services.scheduler.servicer import SERVICE_NAME, register
-from services.scheduler.updates import RequestUpdate
+from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer, register
+from services.scheduler.updates import RequestUpdate, UpdateSink
 from services.scheduler.worker_client import WorkerClient
 from shared.errors import ErrorKind
 from shared.grpc_server import GrpcService, start_grpc
@@ -213,3 +214,86 @@ async def test_deadline_aborts_a_running_request(stack: Stack) -> None:
     updates = [wire.update_from_proto(u) async for m in stack.stub.Connect(iter(messages)) for u in m.step.updates]
     assert updates[-1].stop_reason == StopReason.ABORTED
     assert sum(len(u.token_ids) for u in updates) < 120
+
+
+# ---- the Connect reader: one bad request fails alone; a failing reader ends the stream loudly ----
+
+
+def _connect(stack: Stack) -> tuple[grpc.aio.StreamStreamCall, asyncio.Queue[scheduler_pb2.ConnectRequest]]:
+    outbox: asyncio.Queue[scheduler_pb2.ConnectRequest] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[scheduler_pb2.ConnectRequest]:
+        while True:
+            yield await outbox.get()
+
+    return stack.stub.Connect(requests()), outbox
+
+
+async def _finals(call: grpc.aio.StreamStreamCall, count: int) -> dict[str, RequestUpdate]:
+    finals: dict[str, RequestUpdate] = {}
+    while len(finals) < count:
+        msg = await asyncio.wait_for(call.read(), 10)
+        finals.update((u.request_id, u) for u in map(wire.update_from_proto, msg.step.updates) if u.is_final)
+    return finals
+
+
+async def test_a_request_that_cannot_be_read_fails_alone(stack: Stack) -> None:
+    await _wait_ready(stack.stub)
+    call, outbox = _connect(stack)
+    message = wire.add_requests_to_proto([_request("a", [5, 6], 4), _request("bad", [7], 4), _request("b", [8], 4)])
+    message.add.requests[1].kind = 99  # a kind this scheduler does not know
+    outbox.put_nowait(message)
+    finals = await _finals(call, 3)
+    assert finals["bad"].error is not None and finals["bad"].error.kind is ErrorKind.INVALID_ARGUMENT
+    assert "'bad'" in finals["bad"].error.message
+    assert finals["a"].stop_reason is StopReason.LENGTH and finals["b"].stop_reason is StopReason.LENGTH
+    call.cancel()
+
+
+async def test_a_request_that_fails_while_being_added_fails_alone(stack: Stack,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    await _wait_ready(stack.stub)
+    scheduler = stack.engine.scheduler
+    assert scheduler is not None
+    add_request = scheduler.add_request
+
+    def add_or_raise(request: Request, sink: UpdateSink) -> None:
+        if request.request_id == "boom":
+            raise RuntimeError("a bug triggered by this request")
+        add_request(request, sink)
+
+    scheduler.add_request = add_or_raise  # type: ignore[method-assign]
+    call, outbox = _connect(stack)
+    outbox.put_nowait(wire.add_requests_to_proto([_request("a", [5, 6], 4), _request("boom", [7], 4),
+                                                  _request("b", [8], 4)]))
+    finals = await _finals(call, 3)
+    assert finals["boom"].error is not None and finals["boom"].error.kind is ErrorKind.INTERNAL
+    assert finals["a"].stop_reason is StopReason.LENGTH and finals["b"].stop_reason is StopReason.LENGTH
+    assert "adding request boom failed" in caplog.text
+    outbox.put_nowait(wire.add_requests_to_proto([_request("c", [9], 3)]))  # the stream still serves
+    assert (await _finals(call, 1))["c"].stop_reason is StopReason.LENGTH
+    call.cancel()
+
+
+async def test_a_reader_that_fails_ends_the_stream_loudly_and_aborts_its_requests(
+        stack: Stack, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    await _wait_ready(stack.stub)
+    scheduler = stack.engine.scheduler
+    assert scheduler is not None
+    call, outbox = _connect(stack)
+    outbox.put_nowait(wire.add_requests_to_proto([_request("long", [5, 6], 100)]))
+    await call.read()  # running
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("the reader itself is broken")
+
+    monkeypatch.setattr(SchedulerServicer, "_add", broken)
+    with caplog.at_level(logging.ERROR):
+        outbox.put_nowait(wire.add_requests_to_proto([_request("next", [7], 4)]))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            while True:
+                await asyncio.wait_for(call.read(), 10)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE, "the frontend must see the break and reconnect"
+    assert "reconnect" in (info.value.details() or "")
+    assert "reader failed" in caplog.text
+    await _until(lambda: not scheduler.requests)  # the connection's requests are aborted, blocks freed
