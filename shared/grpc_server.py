@@ -138,6 +138,7 @@ async def start_grpc(
     service_names: Iterable[str],
     credentials: grpc.ServerCredentials | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    max_receive_bytes: int | None = None,
 ) -> GrpcService:
     """Start a server on `address`; the named services stay NOT_SERVING until `set_serving`.
 
@@ -147,8 +148,13 @@ async def start_grpc(
 
     `credentials` (see shared/tls.py) serve TLS instead of plaintext; `interceptors` run
     before the error mapping (an authentication check rejects a call before any handler).
+    `max_receive_bytes` bounds one request message (a public port's clients are untrusted);
+    gRPC itself refuses a larger one with RESOURCE_EXHAUSTED before it is parsed.
     """
-    server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()], options=GRPC_OPTIONS)
+    options = dict(GRPC_OPTIONS)  # (gRPC takes the first of two equal keys, so replace, never append)
+    if max_receive_bytes is not None:
+        options["grpc.max_receive_message_length"] = max_receive_bytes
+    server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()], options=list(options.items()))
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -32,7 +32,8 @@ class RequestLimits:
     The model's context length still applies where it is smaller than a token limit.
     """
 
-    max_body_bytes: int = _limit(16 * 2**20, "largest HTTP request body in bytes; a larger one is answered 413")
+    max_body_bytes: int = _limit(16 * 2**20, "largest HTTP request body or gRPC request message in bytes; a larger "
+                                             "one is answered 413 / RESOURCE_EXHAUSTED")
     max_prompt_chars: int = _limit(2**20, "longest prompt text in characters (chat: all messages together; "
                                           "pooling: each input)")
     max_prompt_tokens: int = _limit(2**17, "most tokens in one prompt or pooling input")

@@ -69,6 +69,7 @@ class Frontend:
             self.config.grpc_address, register(self.engine, self.pooling), [SERVICE_NAME],
             credentials=grpc_server_credentials(tls),
             interceptors=[ApiKeyInterceptor(api_keys)] if api_keys.is_enabled else [],
+            max_receive_bytes=self.config.limits.max_body_bytes,
         )
         self.http_runner, self.http_address = await start_http(
             build_app(self.engine, self.pooling, api_keys), self.config.host, self.config.http_port,

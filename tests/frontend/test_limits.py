@@ -208,3 +208,11 @@ async def test_pooling_inputs_are_limited_in_number_and_length(frontend: Fronten
     assert status == 400 and "max_prompt_tokens" in _message(body)
     status, body = await _post(frontend, "embeddings", {"input": "hi", "priority": 2**40})
     assert status == 400 and "priority=1099511627776" in _message(body)
+
+
+async def test_grpc_message_past_max_body_bytes_is_refused_before_parsing(frontend: Frontend) -> None:
+    async with grpc.aio.insecure_channel(frontend.grpc_address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await Stub(channel).Tokenize(pb.TokenizeRequest(model=MODEL_NAME, text="x" * 5000))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in (info.value.details() or "")
