@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import socket
 import tempfile
@@ -23,6 +24,7 @@ from typing import Any, TypeVar
 import aiohttp
 import grpc
 import pytest
+from aiohttp.http_exceptions import HttpProcessingError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
@@ -54,6 +56,22 @@ class Target:
     @property
     def http_port(self) -> int:
         return int(self.frontend.http_address.rsplit(":", 1)[1])
+
+
+class ErrorLog(logging.Handler):
+    """Every ERROR record logged while fuzzing: an exception a client never saw is still a bug.
+
+    Except aiohttp's own report of a request it refused to parse (a 400 it answered itself).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        error = record.exc_info[1] if record.exc_info else None
+        if not (isinstance(error, HttpProcessingError) and error.code < 500):
+            self.records.append(record)
 
 
 class Servers:
@@ -96,6 +114,20 @@ def servers(tokenizer_dir: Path) -> Iterator[Servers]:
         servers.close()
 
 
+@pytest.fixture
+def error_log() -> Iterator[ErrorLog]:
+    """Fails the test if anything (frontend, aiohttp, asyncio) logged an error meanwhile."""
+    handler = ErrorLog()
+    logging.getLogger().addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logging.getLogger().removeHandler(handler)
+    # (backslashreplace: a message may quote a client's lone surrogate, which pytest could not print)
+    assert not handler.records, [handler.format(r).encode("utf-8", "backslashreplace").decode()
+                                 for r in handler.records[:5]]
+
+
 class WellFormedTraffic:
     """Well-formed streams (HTTP and gRPC) one after another on the generate frontend, each checked
     token for token, for as long as a fuzz test runs beside it."""
@@ -134,7 +166,7 @@ class WellFormedTraffic:
 
 
 @pytest.fixture
-def well_formed(servers: Servers) -> Iterator[WellFormedTraffic]:
+def well_formed(servers: Servers, error_log: ErrorLog) -> Iterator[WellFormedTraffic]:
     traffic = WellFormedTraffic(servers)
     yield traffic
     assert traffic.finish() > 0, "no well-formed stream completed while fuzzing"
