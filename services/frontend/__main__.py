@@ -56,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             help=f"{limit.metadata['help']} [SPINDLE_{env}]")
     parser.add_argument("--shutdown-grace-s", type=float, default=float(_env("SHUTDOWN_GRACE_S", "20")),
                         help="on SIGTERM, requests in flight get this long to finish [SPINDLE_SHUTDOWN_GRACE_S]")
+    parser.add_argument("--rate-limit-rpm", type=int, default=int(_env("RATE_LIMIT_RPM", "0")),
+                        help="requests per minute per API key; 0: no limit [SPINDLE_RATE_LIMIT_RPM]")
+    parser.add_argument("--state-store", default=_env("STATE_STORE", "memory"),
+                        help="where rate-limit counters live: memory, or redis://host:port/db to share them "
+                             "between replicas [SPINDLE_STATE_STORE]")
     add_observability_arguments(parser)
     add_api_key_arguments(parser)
     add_public_tls_arguments(parser)
@@ -77,6 +82,8 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         metrics_port=metrics_port_from_args(args),
         log_requests=args.log_requests,
         shutdown_grace_s=args.shutdown_grace_s,
+        rate_limit_rpm=args.rate_limit_rpm,
+        state_store=args.state_store,
         api_keys=api_keys_from_args(args),
         tls=public_tls_from_args(args),
         internal_tls=internal_tls_from_args(args),

@@ -51,6 +51,8 @@ class FrontendConfig:
     metrics_port: int | None = None
     log_requests: bool = False
     shutdown_grace_s: float = 20.0
+    rate_limit_rpm: int = 0
+    state_store: str = "memory"
     api_keys: ApiKeys = ApiKeys()
     tls: TlsFiles | None = None
     internal_tls: TlsFiles | None = None
@@ -70,6 +72,8 @@ class FrontendConfig:
             raise ValueError(f"request_timeout_s={self.request_timeout_s} must not be negative")
         if self.scheduler_backoff_max_s <= 0:
             raise ValueError(f"scheduler_backoff_max_s={self.scheduler_backoff_max_s} must be positive")
+        if self.rate_limit_rpm < 0:
+            raise ValueError(f"rate_limit_rpm={self.rate_limit_rpm} must not be negative")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s={self.shutdown_grace_s} must not be negative")
         if self.tokenizer_threads < 1:

@@ -27,6 +27,7 @@ from services.frontend.messages import (
     TokenizeResult,
 )
 from services.frontend.output_processor import OutputProcessor
+from services.frontend.rate_limit import RateLimiter
 from services.frontend.telemetry import FrontendTelemetry, RequestTelemetry
 from services.frontend.tokenizer import Tokenizer
 from services.frontend.validation import (
@@ -63,12 +64,14 @@ class EngineClient:
     """Generation, tokenization and model listing on top of the scheduler connection."""
 
     def __init__(self, config: FrontendConfig, tokenizer: Tokenizer, scheduler: SchedulerClient,
-                 defaults: GenerationDefaults | None = None, telemetry: FrontendTelemetry | None = None) -> None:
+                 defaults: GenerationDefaults | None = None, telemetry: FrontendTelemetry | None = None,
+                 rate_limiter: RateLimiter | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.defaults = defaults or GenerationDefaults()
         self.telemetry = telemetry or FrontendTelemetry(config.served_model_name)
+        self.rate_limiter = rate_limiter
 
     @property
     def model_name(self) -> str:
@@ -94,6 +97,8 @@ class EngineClient:
         limits = self.config.limits
         with telemetry.phase("validate"):
             check_model(request.model, self.model_name)
+            if self.rate_limiter is not None:
+                await self.rate_limiter.check(request.api_key_id)
             check_request_id(request.request_id)
             INT32.check(request.priority, "priority")
             check_generate_sizes(request, limits)

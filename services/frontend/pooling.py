@@ -31,6 +31,7 @@ from services.frontend.messages import (
     ScoreInput,
     Usage,
 )
+from services.frontend.rate_limit import RateLimiter
 from services.frontend.telemetry import FrontendTelemetry, RequestTelemetry
 from services.frontend.tokenizer import Encoded, Tokenizer
 from services.frontend.validation import INT32, check_model, check_token_ids
@@ -71,26 +72,32 @@ class PoolingClient:
 
     def __init__(self, model_name: str, tokenizer: Tokenizer, scheduler: SchedulerClient,
                  normalize_default: bool = False, telemetry: FrontendTelemetry | None = None,
-                 limits: RequestLimits | None = None, request_timeout_s: float = 0.0) -> None:
+                 limits: RequestLimits | None = None, request_timeout_s: float = 0.0,
+                 rate_limiter: RateLimiter | None = None) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.normalize_default = normalize_default
         self.telemetry = telemetry or FrontendTelemetry(model_name)
+        self.rate_limiter = rate_limiter
         self.limits = limits or RequestLimits()
         self.request_timeout_s = request_timeout_s
 
     async def embed(self, request: EmbedInput) -> PoolingResult:
-        return await self._traced("embeddings", request.traceparent, lambda t: self._embed(request, t))
+        return await self._traced("embeddings", request.traceparent, request.api_key_id,
+                                  lambda t: self._embed(request, t))
 
     async def score(self, request: ScoreInput) -> PoolingResult:
-        return await self._traced("score", request.traceparent, lambda t: self._score(request, t))
+        return await self._traced("score", request.traceparent, request.api_key_id,
+                                  lambda t: self._score(request, t))
 
-    async def _traced(self, operation: str, traceparent: str,
+    async def _traced(self, operation: str, traceparent: str, api_key_id: str,
                       work: Callable[[RequestTelemetry], Awaitable[PoolingResult]]) -> PoolingResult:
         """Run `work` inside one request span; its inputs' scheduler requests are its children."""
         telemetry = self.telemetry.start(operation, traceparent)
         try:
+            if self.rate_limiter is not None:
+                await self.rate_limiter.check(api_key_id)
             result = await work(telemetry)
         except BaseException as exc:
             telemetry.fail(exc)

@@ -20,6 +20,7 @@ from services.frontend.generation_defaults import GenerationDefaults
 from services.frontend.http_app import build_app, start_http
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.pooling import PoolingClient, model_normalizes
+from services.frontend.rate_limit import RateLimiter
 from services.frontend.scheduler_client import SchedulerClient
 from services.frontend.servicer import SERVICE_NAME, register
 from services.frontend.telemetry import FrontendTelemetry
@@ -27,6 +28,7 @@ from services.frontend.tokenizer import Tokenizer
 from shared.grpc_auth import ApiKeyInterceptor
 from shared.grpc_server import GrpcService, start_grpc
 from shared.metrics import MetricsServer, serve_metrics
+from shared.state_store import open_state_store
 from shared.tls import grpc_server_credentials, server_ssl_context
 from shared.tracing import Tracing
 
@@ -44,11 +46,13 @@ class Frontend:
         self.tokenizer = Tokenizer(config.model, config.tokenizer_threads)
         self.scheduler = SchedulerClient(config.scheduler_addr, backoff_max_s=config.scheduler_backoff_max_s,
                                          tls=config.internal_tls)
+        self.store = open_state_store(config.state_store)
+        limiter = RateLimiter(self.store, config.rate_limit_rpm) if config.rate_limit_rpm else None
         self.engine = EngineClient(config, self.tokenizer, self.scheduler,
-                                   GenerationDefaults.from_model_dir(config.model), telemetry)
+                                   GenerationDefaults.from_model_dir(config.model), telemetry, limiter)
         self.pooling = PoolingClient(config.served_model_name, self.tokenizer, self.scheduler,
                                      model_normalizes(config.model), telemetry, config.limits,
-                                     config.request_timeout_s)
+                                     config.request_timeout_s, limiter)
         self.metrics_server: MetricsServer | None = None
         self.grpc: GrpcService | None = None
         self.http_runner: web.AppRunner | None = None
@@ -122,4 +126,5 @@ class Frontend:
         self.tokenizer.close()
         if self.metrics_server is not None:
             await self.metrics_server.stop()
+        await self.store.close()
         self.tracing.shutdown()
