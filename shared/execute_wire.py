@@ -32,6 +32,7 @@ def sampling_to_proto(options: SamplingOptions) -> common_pb2.SamplingOptions:
         min_tokens=options.min_tokens,
         stop_token_ids=options.stop_token_ids,
         ignore_eos=options.ignore_eos,
+        logit_bias=dict(options.logit_bias),
     )
     if options.seed is not None:
         msg.seed = options.seed
@@ -55,6 +56,7 @@ def sampling_from_proto(msg: common_pb2.SamplingOptions) -> SamplingOptions:
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
 
 

@@ -26,6 +26,8 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; N: chosen token plus top N
+    # (token id, bias) pairs added to the logits before sampling; sorted by token id, ids unique.
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
 
     @property
     def is_greedy(self) -> bool:

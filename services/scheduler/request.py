@@ -141,6 +141,7 @@ class Request:
             if name == "sampling":
                 value = dataclasses.asdict(value)
                 value["stop_token_ids"] = list(value["stop_token_ids"])
+                value["logit_bias"] = [list(pair) for pair in value["logit_bias"]]
             elif name in ("kind", "stop_reason"):
                 value = None if value is None else int(value)
             elif name == "status":
@@ -160,6 +161,7 @@ class Request:
         """
         sampling = dict(data["sampling"])
         sampling["stop_token_ids"] = tuple(sampling["stop_token_ids"])
+        sampling["logit_bias"] = tuple((int(t), float(b)) for t, b in sampling.get("logit_bias", ()))
         stop_reason = data.get("stop_reason")
         return cls(
             request_id=data["request_id"],

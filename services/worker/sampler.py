@@ -1,12 +1,14 @@
 """Sampling on the device, vectorised over the batch.
 
-Order (vLLM's): penalties, min_tokens masking, [logprobs taken here], then for random rows
-temperature, min-p, top-k, top-p, and an exponential race (argmax of probs / Exp(1) noise),
-which equals sampling from probs. Greedy rows take the argmax of the (penalised) logits: with
-no penalties that is exactly the argmax of the model's logits.
+Order (vLLM V1's): [logprobs taken here], logit_bias, penalties, min_tokens masking, then for
+random rows temperature, min-p, top-k, top-p, and an exponential race (argmax of probs /
+Exp(1) noise), which equals sampling from probs. Greedy rows take the argmax of the processed
+logits: with no bias or penalty that is exactly the argmax of the model's logits.
 
-Logprobs convention: log_softmax of the logits after penalties and min_tokens masking, before
-temperature and truncation (vLLM's "processed logits before temperature").
+Logprobs convention: log_softmax of the model's raw logits, before logit_bias, penalties,
+min_tokens masking, temperature and truncation, which is what vLLM reports by default
+(`logprobs_mode="raw_logprobs"`): a client sees how likely the model found each token, not
+how its own sampling settings reshaped the distribution.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata, step: int) -> SamplerOutput:
         """Sample from float32 `logits` [S, V]; `step` is the step index within the round."""
+        logprobs = logits.log_softmax(dim=-1) if md.num_logprobs is not None else None
+        if md.logit_bias is not None:
+            bias = md.logit_bias
+            logits.index_put_((bias.batch_rows, bias.token_ids), bias.values, accumulate=True)
         if md.penalties is not None:
             self.penalty_tables.apply(logits, md.penalties)
         if md.min_tokens is not None:
@@ -69,7 +75,6 @@ class Sampler:
             active = (mt.num_generated + step) < mt.min_tokens  # step s has generated s tokens this round
             rows = mt.batch_rows[:, None]
             logits[rows, mt.stop_ids] = torch.where(active[:, None], float("-inf"), logits[rows, mt.stop_ids])
-        logprobs = logits.log_softmax(dim=-1) if md.num_logprobs is not None else None
         token_ids = logits.argmax(dim=-1) if md.all_greedy else self._sample(logits, md)
         out = SamplerOutput(token_ids)
         if logprobs is not None and md.num_logprobs is not None:

@@ -16,7 +16,7 @@ from shared.execute import NewRequestData
 
 _FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition", "presence", "frequency")
 _INT_COLUMNS = ("top_k", "min_tokens", "num_logprobs", "num_output", "penalty_slot")
-_BOOL_COLUMNS = ("wants_logprobs", "has_penalties", "has_min_tokens", "seeded")
+_BOOL_COLUMNS = ("wants_logprobs", "has_penalties", "has_min_tokens", "seeded", "has_logit_bias")
 
 
 @dataclass(slots=True)
@@ -27,6 +27,19 @@ class MinTokensBatch:
     stop_ids: torch.Tensor  # [M, K] (a row's list padded by repeating its first id)
     num_generated: torch.Tensor  # [M] output tokens before step 0 of this round
     min_tokens: torch.Tensor  # [M]
+
+
+@dataclass(slots=True)
+class LogitBiasBatch:
+    """Every (row, token, bias) of the batch's rows that carry a logit_bias, flattened.
+
+    Sparse, because a bias names a few tokens of a large vocabulary: one index_put per step
+    adds them all, and rows without a bias cost nothing.
+    """
+
+    batch_rows: torch.Tensor  # [B] int64
+    token_ids: torch.Tensor  # [B] int64
+    values: torch.Tensor  # [B] float32
 
 
 @dataclass(slots=True)
@@ -43,6 +56,7 @@ class SamplingMetadata:
     seeded: list[tuple[int, torch.Generator]]  # (sampling row, its generator)
     penalties: PenaltyBatch | None
     min_tokens: MinTokensBatch | None
+    logit_bias: LogitBiasBatch | None
     num_logprobs: np.ndarray | None  # [S] host: top-N per row; None when no row asked for logprobs
     wants_logprobs: np.ndarray | None  # [S] host bool
 
@@ -57,6 +71,7 @@ class SamplingState:
         self.penalty_tables = PenaltyTables(vocab_size, device)
         self.columns: dict[str, np.ndarray] = {}
         self.stop_ids: dict[int, list[int]] = {}  # rows with min_tokens > 0
+        self.logit_bias: dict[int, tuple[tuple[int, float], ...]] = {}  # rows with a logit_bias
         self.generators: dict[int, torch.Generator] = {}
         self._pack = TransferPack(device)
         self._resize(64)
@@ -95,6 +110,9 @@ class SamplingState:
         c["has_min_tokens"][row] = s.min_tokens > 0 and bool(stops)
         if c["has_min_tokens"][row]:
             self.stop_ids[row] = stops
+        c["has_logit_bias"][row] = bool(s.logit_bias)
+        if s.logit_bias:
+            self.logit_bias[row] = s.logit_bias
         c["seeded"][row] = s.seed is not None and not s.is_greedy
         if c["seeded"][row]:
             self.generators[row] = self._seeded_generator(s.seed, num_output)
@@ -113,6 +131,7 @@ class SamplingState:
     def release(self, rows: list[int]) -> None:
         for row in rows:
             self.stop_ids.pop(row, None)
+            self.logit_bias.pop(row, None)
             self.generators.pop(row, None)
             if self.columns["has_penalties"][row]:
                 self.penalty_tables.release(int(self.columns["penalty_slot"][row]))
@@ -158,6 +177,7 @@ class SamplingState:
             )
         )
         wants = c["wants_logprobs"]
+        bias_rows = np.flatnonzero(c["has_logit_bias"])
         return SamplingMetadata(
             num_rows=len(rows),
             all_greedy=bool(greedy.all()),
@@ -173,6 +193,23 @@ class SamplingState:
             if len(pen_rows)
             else None,
             min_tokens=MinTokensBatch(min_rows_d, stop_d, gen_d, min_d) if len(min_rows) else None,
+            logit_bias=self._logit_bias_batch(rows, bias_rows) if len(bias_rows) else None,
             num_logprobs=c["num_logprobs"] if wants.any() else None,
             wants_logprobs=wants if wants.any() else None,
+        )
+
+    def _logit_bias_batch(self, rows: np.ndarray, bias_rows: np.ndarray) -> LogitBiasBatch:
+        """The biases of `bias_rows` (sampling rows) as flat device tensors (a loop over those rows only)."""
+        batch_rows: list[int] = []
+        token_ids: list[int] = []
+        values: list[float] = []
+        for i in bias_rows:
+            pairs = self.logit_bias[int(rows[i])]
+            batch_rows.extend([int(i)] * len(pairs))
+            token_ids.extend(t for t, _ in pairs)
+            values.extend(b for _, b in pairs)
+        return LogitBiasBatch(
+            torch.tensor(batch_rows, dtype=torch.int64).to(self.device, non_blocking=True),
+            torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True),
+            torch.tensor(values, dtype=torch.float32).to(self.device, non_blocking=True),
         )

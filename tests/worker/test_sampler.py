@@ -203,3 +203,41 @@ def test_logprobs_of_chosen_and_top_n_per_request() -> None:
     assert step.top_logprobs == pytest.approx(top.values.tolist())
     assert step.logprobs[0] == pytest.approx(top.values[0].item())
     assert math.isfinite(step.logprobs[2])
+
+
+def test_logit_bias_steers_greedy_and_random_rows_only_where_given() -> None:
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(11))
+    options = [
+        SamplingOptions(temperature=0.0, logit_bias=((17, 100.0),)),
+        SamplingOptions(temperature=1.0, seed=3, logit_bias=((5, 100.0), (int(logits[1].argmax()), -100.0))),
+        SamplingOptions(temperature=0.0),
+    ]
+    state, sampler, rows = _state(options)
+    out = sampler(logits.clone(), state.build(rows), step=0)
+    assert out.token_ids.tolist() == [17, 5, int(logits[2].argmax())]
+
+
+def test_logit_bias_minus_100_bans_a_token_under_sampling() -> None:
+    logits = torch.zeros(1, V)
+    logits[0, 9] = 5.0  # by far the most likely
+    state, sampler, rows = _state([SamplingOptions(temperature=1.0, logit_bias=((9, -100.0),))])
+    md = state.build(rows)
+    tokens = {int(sampler(logits.clone(), md, step=0).token_ids[0]) for _ in range(50)}
+    assert 9 not in tokens
+
+
+def test_logprobs_are_raw_model_logprobs_before_bias_penalties_and_temperature() -> None:
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(12))
+    options = [
+        SamplingOptions(temperature=0.0, logprobs=1, logit_bias=((3, 50.0),), repetition_penalty=1.5),
+        SamplingOptions(temperature=0.5, seed=1, logprobs=1, presence_penalty=1.0),
+    ]
+    state, sampler, rows = _state(options, prompts=[[3, 4], [5, 6]])
+    out = sampler(logits.clone(), state.build(rows), step=0)
+    raw = logits.log_softmax(-1)
+    assert out.token_ids[0] == 3  # the bias decided the token...
+    assert out.logprobs is not None
+    # ...but the reported logprob is the model's own
+    assert torch.allclose(out.logprobs, raw.gather(1, out.token_ids[:, None])[:, 0])
+    assert out.top_token_ids is not None
+    assert torch.equal(out.top_token_ids[:, 0], logits.argmax(-1))
