@@ -104,10 +104,11 @@ class OutputProcessor:
             token = token_ids[i]
             request.num_inflight_tokens -= 1
             request.append_output_token(token)
-            if len(request.output_token_ids) == 1:
-                ws.observer.on_first_token(request)
             if kv is not None:  # no-op unless it holds blocks, i.e. is RUNNING
                 kv.cache_blocks(request, len(request.all_token_ids) - 1)
+            if len(request.output_token_ids) == 1:
+                ws.observer.on_first_token(request)
+                ws.release_held(request)  # its prompt's blocks are cached now: samples held for it share them
             update = RequestUpdate(request.request_id, [token],
                                    num_prompt_tokens=request.num_prompt_tokens,
                                    num_cached_tokens=request.num_cached_tokens)

@@ -73,6 +73,8 @@ class Request:
     worker_index: int | None = None
     num_preemptions: int = 0
     stop_reason: StopReason | None = None
+    # Not journaled: a frontend re-submitting after a restart sends it again.
+    shares_prompt_with: str = ""  # a later sample of an n > 1 request: the id of the group's first
     # ---- transient (not journaled) ----
     all_token_ids: list[int] = field(init=False, default_factory=list)
     block_hashes: list[bytes] = field(init=False, default_factory=list)  # full blocks, chained

@@ -79,8 +79,10 @@ class Scheduler:
         """Queue a request on a worker, or finish it at once with an error update."""
         error = self._validate(request) or queue_full_error(self.workers, request, self.config)
         ws = None
+        leader = self._prompt_leader(request)
         if error is None:
-            ws = choose_worker(self.workers, request)
+            ws = self.workers[leader.worker_index] if leader is not None and leader.worker_index is not None \
+                else choose_worker(self.workers, request)
             if ws is None:
                 error = RequestError(ErrorKind.UNAVAILABLE, "no worker is available: every worker failed")
         if error is not None or ws is None:
@@ -92,7 +94,7 @@ class Scheduler:
         self._by_connection.setdefault(request.connection_id, set()).add(request.request_id)
         if request.deadline_unix_s > 0:
             heapq.heappush(self._deadlines, (request.deadline_unix_s, request.arrival_seq, request.request_id))
-        ws.add(request)
+        ws.add(request, hold_for=leader)
         logger.debug("queued on worker %d (priority %d, %d prompt tokens)", ws.index, request.priority,
                      request.num_prompt_tokens, extra={"request_id": request.request_id})
 
@@ -219,7 +221,8 @@ class Scheduler:
             num_prefix_query_tokens=sum(kv.num_query_tokens for kv in kvs),
             num_prefix_hit_tokens=sum(kv.num_hit_tokens for kv in kvs),
             num_running=sum(len(ws.running) + len(ws.pooling_inflight) for ws in self.workers),
-            num_waiting=sum(len(ws.waiting) + len(ws.draining) for ws in self.workers) + len(self._homeless),
+            num_waiting=(sum(len(ws.waiting) + len(ws.draining) + len(ws.held) for ws in self.workers)
+                         + len(self._homeless)),
             num_finished=self.num_finished,
             num_aborted=self.num_aborted,
             num_failed=self.num_failed,
@@ -256,6 +259,22 @@ class Scheduler:
             ids.discard(request.request_id)
             if not ids:
                 del self._by_connection[request.connection_id]
+
+    def _prompt_leader(self, request: Request) -> Request | None:
+        """The group's first sample to hold `request` for, or None to queue it at once.
+
+        Held only while sharing can work: prefix caching on, and the first sample live on a
+        worker, from the same frontend, and not yet sampling (else its prompt is cached already,
+        or will not be, and the placement by prefix hit does the rest).
+        """
+        if not request.shares_prompt_with or not self.config.enable_prefix_caching:
+            return None
+        leader = self.requests.get(request.shares_prompt_with)
+        if (leader is None or leader.worker_index is None or leader.connection_id != request.connection_id
+                or leader.num_output_tokens > 0
+                or leader.status not in (RequestStatus.WAITING, RequestStatus.RUNNING)):
+            return None
+        return leader
 
     def _max_request_tokens(self, infos: Sequence[WorkerInfo]) -> int:
         """Longest prompt + output one worker's pool can hold, with multi-step lookahead slack."""

@@ -29,6 +29,7 @@ def request_from_proto(msg: scheduler_pb2.AddRequest, connection_id: int) -> Req
         cache_salts=tuple(msg.cache_salts),
         token_type_ids=list(msg.token_type_ids),
         output_token_ids=list(msg.output_token_ids),
+        shares_prompt_with=msg.shares_prompt_with,
     )
     request.is_resumed = msg.resumed
     return request
@@ -41,7 +42,7 @@ def add_requests_to_proto(requests: Sequence[Request]) -> scheduler_pb2.ConnectR
             request_id=r.request_id, kind=int(r.kind), prompt_token_ids=r.prompt_token_ids,
             token_type_ids=r.token_type_ids, sampling=sampling_to_proto(r.sampling), priority=r.priority,
             traceparent=r.traceparent, deadline_unix_s=r.deadline_unix_s, cache_salts=r.cache_salts,
-            output_token_ids=r.output_token_ids, resumed=r.is_resumed,
+            output_token_ids=r.output_token_ids, resumed=r.is_resumed, shares_prompt_with=r.shares_prompt_with,
         )
         for r in requests
     ]))

@@ -12,6 +12,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from services.scheduler.held_samples import HeldSamples
 from services.scheduler.kv_block_manager import KVBlockManager
 from services.scheduler.observer import RequestObserver
 from services.scheduler.request import Request, RequestStatus
@@ -52,8 +53,9 @@ class WorkerState:
 
     Invariants:
       * each live request placed on this worker is in exactly one of `running` (RUNNING),
-        `waiting` (WAITING or PREEMPTED), `draining` (PREEMPTED, rounds still in flight), or
-        is a pooling request in a round in flight (`pooling_inflight`).
+        `waiting` (WAITING or PREEMPTED), `draining` (PREEMPTED, rounds still in flight),
+        `held` (WAITING: a later sample of an n > 1 request, see held_samples.py), or is a
+        pooling request in a round in flight (`pooling_inflight`).
       * `running` is sorted by `running_order`; only RUNNING requests hold KV blocks.
       * `is_on_worker` is True from the round that first carried a request until the round
         listing it in `finished_request_ids` is built.
@@ -73,6 +75,7 @@ class WorkerState:
         self.running: list[Request] = []
         self.waiting = WaitingQueue()
         self.draining: dict[str, Request] = {}
+        self.held = HeldSamples()
         self.pooling_inflight: dict[str, Request] = {}
         self.inflight: deque[InflightRound] = deque()
         self.pending_finished_ids: list[str] = []
@@ -102,11 +105,25 @@ class WorkerState:
             return True
         return self.rounds_since_admission >= quiet_rounds and not self.waiting
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, hold_for: Request | None = None) -> None:
+        """Queue the request; with `hold_for` (its group's first sample, on this worker) hold it
+        until that one has computed the shared prompt (`release_held`)."""
         request.worker_index = self.index
         self.requests[request.request_id] = request
-        self.waiting.push(request)
+        if hold_for is not None:
+            self.held.hold(request, hold_for.request_id)
+        else:
+            self.waiting.push(request)
         self.observer.on_added(request, self.index)
+
+    def release_held(self, leader: Request) -> None:
+        """`leader` computed its prompt (or will not): the samples held for it may be admitted.
+
+        They keep their arrival order, right behind the leader's, so they go in ahead of
+        requests that came after them.
+        """
+        for request in self.held.release(leader.request_id):
+            self.waiting.push(request)
 
     def admit(self, request: Request, num_computed_tokens: int) -> None:
         """Waiting -> running (the caller already allocated its blocks)."""
@@ -132,6 +149,7 @@ class WorkerState:
         if self.kv is not None:
             self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
+        self.release_held(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -157,8 +175,10 @@ class WorkerState:
             if self.kv is not None:
                 self.kv.free(request)
         else:
-            self.waiting.remove(request.request_id)
+            if not self.waiting.remove(request.request_id):
+                self.held.remove(request.request_id)
             self.draining.pop(request.request_id, None)
+        self.release_held(request)
         self._forget_on_worker(request)
         request.status = RequestStatus.FINISHED
         request.stop_reason = reason
@@ -180,6 +200,7 @@ class WorkerState:
         self.running.clear()
         self.waiting = WaitingQueue()
         self.draining.clear()
+        self.held = HeldSamples()
         self.pooling_inflight.clear()
         self.inflight.clear()
         self.pending_finished_ids.clear()

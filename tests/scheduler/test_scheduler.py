@@ -362,3 +362,57 @@ def test_priority_admission_into_full_running_set_preempts_in_the_next_round() -
     assert [n.request_id for n in rnd.new_requests] == ["high"], "admitted at once, whole prefill in step 0"
     assert rnd.num_steps == 8 and rnd.num_scheduled_tokens == [2]
     assert rnd.finished_request_ids == ["low"]
+
+
+def _group(prompt: list[int], n: int, max_tokens: int = 4) -> list[Request]:
+    """An n > 1 request as the frontend sends it: n requests, the later ones naming the first."""
+    return [Request(request_id=f"s{i}", prompt_token_ids=prompt, shares_prompt_with="s0" if i else "",
+                    sampling=SamplingOptions(temperature=0.0, max_tokens=max_tokens)) for i in range(n)]
+
+
+def test_later_samples_wait_for_the_first_then_share_its_prompt_blocks() -> None:
+    sched, workers = _make(num_blocks=64, block_size=4, num_workers=2)
+    prompt = list(range(10, 24))  # 14 tokens: 3 full blocks and a partial one
+    sink = UpdateSink()
+    for request in _group(prompt, 3):
+        sched.add_request(request, sink)
+    assert {r.worker_index for r in sched.requests.values()} == {0}  # all on the first sample's worker
+    first = sched.schedule()[0]
+    assert [n.request_id for n in first.new_requests] == ["s0"]
+    assert sched.stats().num_waiting == 2
+    workers[0].submit(first)
+    sched.update_from_output(0, workers[0].step(), UpdateSink())  # s0 sampled: its prompt is cached
+    second = sched.schedule()[0]
+    assert [n.request_id for n in second.new_requests] == ["s1", "s2"]
+    assert [n.num_computed_tokens for n in second.new_requests] == [12, 12]  # only the partial block runs
+    assert second.num_scheduled_tokens[:2] == [2, 2]
+    shared = set(sched.workers[0].kv.block_table("s0")[:3])
+    assert all(set(sched.workers[0].kv.block_table(s)[:3]) == shared for s in ("s1", "s2"))
+    workers[0].submit(second)
+    tokens = _run_until_done(sched, workers)
+    assert tokens["s1"] == tokens["s2"] == reference_output(prompt, sched_sampling(4), 256, 64, NEVER_EOS)
+
+
+def test_samples_are_not_held_without_prefix_caching_or_once_the_first_is_gone() -> None:
+    sched, _ = _make(enable_prefix_caching=False)
+    sink = UpdateSink()
+    for request in _group([5, 6, 7, 8, 9], 2):
+        sched.add_request(request, sink)
+    assert [n.request_id for n in sched.schedule()[0].new_requests] == ["s0", "s1"]
+
+    sched, _ = _make()
+    s0, s1, s2 = _group([5, 6, 7, 8, 9], 3)
+    sched.add_request(s0, sink)
+    sched.add_request(s1, sink)
+    sched.abort_request("s0", sink)  # the first sample left before computing: s1 runs on its own
+    sched.add_request(s2, sink)  # its first sample is gone: queued at once
+    assert [n.request_id for n in sched.schedule()[0].new_requests] == ["s1", "s2"]
+
+
+def test_abort_of_a_held_sample_frees_it() -> None:
+    sched, _ = _make()
+    sink = UpdateSink()
+    for request in _group([5, 6, 7, 8, 9], 2):
+        sched.add_request(request, sink)
+    assert sched.abort_request("s1", sink)
+    assert list(sched.requests) == ["s0"] and len(sched.workers[0].held) == 0
