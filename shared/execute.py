@@ -14,6 +14,26 @@ from shared.sampling import SamplingOptions
 from shared.types import RequestKind
 
 
+@dataclass(slots=True, frozen=True)
+class MultiModalItem:
+    """One image of a prompt: where its placeholder tokens sit and its preprocessed pixels.
+
+    The placeholder range is [offset, offset + length) in the request's token ids; `length`
+    is the number of feature tokens the encoder produces. `hash` names the content (equal
+    images, equal hash), so the worker's encoder cache and the prefix cache can share it.
+    """
+
+    hash: str
+    offset: int
+    length: int
+    pixel_values: bytes = b""  # float32, C-order, of `shape`
+    shape: tuple[int, ...] = ()
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
 @dataclass(slots=True)
 class NewRequestData:
     """A request the worker has not seen, or must recompute after a preemption."""
@@ -25,6 +45,7 @@ class NewRequestData:
     block_ids: list[int]
     sampling: SamplingOptions
     traceparent: str = ""
+    mm_items: list[MultiModalItem] = field(default_factory=list)  # in prompt order
 
 
 @dataclass(slots=True)
@@ -65,6 +86,10 @@ class ExecuteRound:
     num_scheduled_tokens: list[int] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
     pooling_requests: list[PoolingRequestData] = field(default_factory=list)
+    # Encoder cache (multimodal): drop these outputs first, then encode these items (by
+    # content hash) before step 0; the scheduler keeps the cache within its budget.
+    encoder_free_hashes: list[str] = field(default_factory=list)
+    encoder_hashes: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -104,3 +129,5 @@ class WorkerInfo:
     dtype: str
     device: str
     pooled_size: int = 0
+    mm_tokens_per_item: int = 0  # feature tokens per image (0: the model takes no images)
+    encoder_cache_tokens: int = 0  # encoder outputs the worker can hold, in feature tokens

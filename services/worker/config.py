@@ -29,6 +29,8 @@ class WorkerConfig:
         gpu_memory_fraction: share of GPU memory the worker may use (weights, activations, KV cache).
         max_num_seqs: most requests in one forward pass (sizes the CUDA profiling run).
         max_num_batched_tokens: most tokens in one forward pass (sizes the CUDA profiling run).
+        encoder_cache_bytes: memory for cached image features (vision-language models); the
+            worker reports it in feature tokens and the scheduler checks its budget fits.
         max_model_len: longest sequence; None = the model's max_position_embeddings, capped for
             sentence-transformers models by sentence_bert_config.json's max_seq_length.
         num_threads: torch CPU threads; None keeps torch's default.
@@ -46,6 +48,7 @@ class WorkerConfig:
     gpu_memory_fraction: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    encoder_cache_bytes: int = 256 * 1024 * 1024
     max_model_len: int | None = None
     num_threads: int | None = None
     metrics_port: int | None = None
@@ -59,7 +62,7 @@ class WorkerConfig:
             raise ValueError(f"{self.device=} must be one of {DEVICES}")
         if self.dtype not in DTYPES:
             raise ValueError(f"{self.dtype=} must be one of {DTYPES}")
-        for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "encoder_cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:

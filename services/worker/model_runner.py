@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from services.worker.attention import AttentionBackend
+from services.worker.encoder_cache import EncoderCache
 from services.worker.input_builder import ModelInput, ModelInputBuilder
 from services.worker.request_states import RequestStates
 from services.worker.sampler import Sampler
@@ -41,6 +42,7 @@ class ModelRunner:
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
         device: torch.device,
+        encoder_cache_tokens: int = 0,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -53,6 +55,7 @@ class ModelRunner:
         self.copier = HostCopier(device)
         self.generator = torch.Generator(device=device)
         self.generator.seed()
+        self.encoder_cache_tokens = encoder_cache_tokens
         self.reset()
 
     def reset(self) -> None:
@@ -61,6 +64,11 @@ class ModelRunner:
         self.sampling_state = SamplingState(self.vocab_size, self.eos_token_ids, self.device)
         self.input_builder = ModelInputBuilder(self.states, self.backend.metadata_builder(), self.device)
         self.sampler = Sampler(self.sampling_state.penalty_tables, self.generator)
+        # Vision-language models only: image features by content hash (see encoder_cache.py).
+        self.encoder_cache = (
+            EncoderCache(self.model, self.encoder_cache_tokens, self.device)  # type: ignore[arg-type]
+            if hasattr(self.model, "encode_images") else None
+        )
 
     def execute_round(self, round_: ExecuteRound, on_step: Callable[[SampledStep], None]) -> None:
         """Run `round_.num_steps` forward passes; call `on_step` once per step, in order."""
@@ -74,6 +82,8 @@ class ModelRunner:
             self.sampling_state.add(row, new)
         num_steps = max(round_.num_steps, 1)
         with torch.inference_mode():
+            if self.encoder_cache is not None:
+                self._prepare_encoder(round_)
             self._run_steps(round_.round_id, num_steps, rows, num_scheduled, on_step)
 
     def _run_steps(
@@ -89,11 +99,13 @@ class ModelRunner:
         request_ids: list[str] = []
         pending: SampledStep | None = None
         sampled: torch.Tensor | None = None
+        starts = np.zeros(0, np.int64)  # step 0's first position per row (image merging)
         for step in range(num_steps):
             out = SampledStep(round_id, step, step == num_steps - 1, request_ids)
             if metadata is not None and inputs is not None:
                 out.rows = inputs.sample_rows
             if step == 0 and len(rows):
+                starts = self.states.num_computed_tokens[rows].copy()
                 inputs = self.input_builder.build(rows, num_scheduled)
                 if len(inputs.sample_rows):
                     metadata = self.sampling_state.build(inputs.sample_rows)
@@ -104,7 +116,16 @@ class ModelRunner:
             else:
                 inputs = None  # nothing left to compute in this round: an empty step
             if inputs is not None:
-                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+                embeds = None
+                if step == 0 and self.encoder_cache is not None:
+                    ids = [self.states.request_ids[r] or "" for r in rows.tolist()]
+                    embeds = self.encoder_cache.merge(inputs.input_ids, ids, starts, num_scheduled)
+                if embeds is None:
+                    hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+                else:
+                    hidden = self.model(
+                        inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, embeds
+                    )
                 if metadata is not None:
                     logits = self.model.compute_logits(hidden[inputs.logits_indices])
                     result = self.sampler(logits, metadata, step)
@@ -117,6 +138,14 @@ class ModelRunner:
             self._deliver(pending, on_step)
         if metadata is not None and inputs is not None:
             self.sampling_state.record_round(inputs.sample_rows, num_steps)
+
+    def _prepare_encoder(self, round_: ExecuteRound) -> None:
+        """Register new requests' images, free and encode what the scheduler says, before step 0."""
+        assert self.encoder_cache is not None
+        self.encoder_cache.remove_requests(round_.finished_request_ids)
+        for new in round_.new_requests:
+            self.encoder_cache.add_request(new.request_id, new.mm_items)
+        self.encoder_cache.apply_round(round_)
 
     def _deliver(self, step: SampledStep, on_step: Callable[[SampledStep], None]) -> None:
         """Wait for a step's host copy, record its tokens in the request state, hand it on."""

@@ -9,6 +9,7 @@ cross-encoder models.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -22,6 +23,7 @@ from services.worker.model_runner import ModelRunner
 from services.worker.models import resolve_model
 from services.worker.models.bert import EncoderModel
 from services.worker.models.config import DecoderConfig
+from services.worker.models.llava import LlavaModelConfig
 from services.worker.models.loader import load_model, parse_config, read_hf_config
 from services.worker.pooling import load_pooling_config
 from services.worker.pooling_runner import PoolingRunner
@@ -71,7 +73,7 @@ class Worker:
         self.model_id = Path(os.path.abspath(config.model)).name
         self.runner: ModelRunner | PoolingRunner
         if self.task is RequestKind.GENERATE:
-            assert isinstance(self.model_config, DecoderConfig)
+            assert isinstance(self.model_config, DecoderConfig | LlavaModelConfig)
             self.info = self._init_generative(self.model_config)
         else:
             self.info = self._init_pooling()
@@ -105,7 +107,7 @@ class Worker:
             pooled_size=pooled_size,
         )
 
-    def _init_generative(self, model_config: DecoderConfig) -> WorkerInfo:
+    def _init_generative(self, model_config: DecoderConfig | LlavaModelConfig) -> WorkerInfo:
         config = self.config
         self.decoder_config = model_config
         self.max_model_len = self._max_model_len(model_config.max_position_embeddings)
@@ -117,11 +119,18 @@ class Worker:
         self.runner = self._make_runner(
             allocate_kv_caches(model_config, num_blocks, config.block_size, self.dtype, self.device)
         )
-        return self._info(
+        info = self._info(
             block_size=config.block_size,
             num_kv_blocks=num_blocks,
             eos_token_ids=model_config.eos_token_ids,
         )
+        if isinstance(model_config, LlavaModelConfig):
+            info = dataclasses.replace(
+                info,
+                mm_tokens_per_item=model_config.tokens_per_image,
+                encoder_cache_tokens=self.runner.encoder_cache_tokens,
+            )
+        return info
 
     def _init_pooling(self) -> WorkerInfo:
         """Embedding / cross-encoder model: no KV cache, no EOS; max_model_len honours ST's cap."""
@@ -160,7 +169,15 @@ class Worker:
             vocab_size=self.decoder_config.vocab_size,
             eos_token_ids=self.decoder_config.eos_token_ids,
             device=self.device,
+            encoder_cache_tokens=self._encoder_cache_tokens(),
         )
+
+    def _encoder_cache_tokens(self) -> int:
+        """Image features the worker can hold: --encoder-cache-bytes over one feature token's size."""
+        if not isinstance(self.model_config, LlavaModelConfig):
+            return 0
+        token_bytes = self.model_config.text.hidden_size * torch.finfo(self.dtype).bits // 8
+        return self.config.encoder_cache_bytes // token_bytes
 
     def _profile_num_blocks(self) -> int:
         """KV blocks that fit after a forward pass at the largest batch (CUDA only).

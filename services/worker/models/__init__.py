@@ -1,7 +1,8 @@
 """Model registry: HF architecture name -> spindle model class and config parser (lazy imports).
 
 Every decoder family shares `DecoderForCausalLM`; the entry's parser turns the family's HF
-config into the flags that make the difference (qkv bias, sliding window). BERT-family
+config into the flags that make the difference (qkv bias, q/k norms, sliding windows, RoPE
+scaling, Gemma's norms and soft-capping). BERT-family
 encoders share `EncoderModel` (embeddings) and `EncoderForSequenceClassification` (scores).
 The model class's `task` decides what the worker serves.
 """
@@ -25,6 +26,22 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": (
         "services.worker.models.decoder:DecoderForCausalLM",
         "services.worker.models.config:qwen2_config",
+    ),
+    "Qwen3ForCausalLM": (
+        "services.worker.models.decoder:DecoderForCausalLM",
+        "services.worker.models.config:qwen3_config",
+    ),
+    "Phi3ForCausalLM": (
+        "services.worker.models.decoder:DecoderForCausalLM",
+        "services.worker.models.config:phi3_config",
+    ),
+    "Gemma2ForCausalLM": (
+        "services.worker.models.decoder:DecoderForCausalLM",
+        "services.worker.models.config:gemma2_config",
+    ),
+    "LlavaForConditionalGeneration": (
+        "services.worker.models.llava:LlavaForConditionalGeneration",
+        "services.worker.models.llava:llava_config",
     ),
     "BertModel": (
         "services.worker.models.bert:EncoderModel",

@@ -1,7 +1,10 @@
-"""One decoder implementation for Llama, Mistral and Qwen2, switched by `DecoderConfig` flags.
+"""One decoder implementation for Llama, Mistral, Qwen2/2.5/3, Phi-3 and Gemma 2, switched by flags.
 
 Tokens arrive packed ([num_tokens], no padding); attention goes through the chosen backend and
-the paged KV cache. q/k/v and gate/up projections are fused into one matmul each.
+the paged KV cache. q/k/v and gate/up projections are fused into one matmul each (Phi-3 ships
+them fused already; the others are fused at load). `DecoderConfig` flags add what a family
+needs: per-head q/k norms (Qwen3), Gemma's (1 + w) sandwich norms, embedding scale, attention
+scale and logit soft-capping.
 """
 
 from __future__ import annotations
@@ -31,18 +34,32 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
 class RMSNorm(nn.Module):
-    """HF LlamaRMSNorm: normalise in float32, cast back, then scale."""
+    """HF LlamaRMSNorm: normalise in float32, cast back, then scale.
 
-    def __init__(self, size: int, eps: float) -> None:
+    `unit_offset` is Gemma's variant: the weight is stored as w - 1 and the scale (1 + w) is
+    applied in float32 before the cast back, in that order, as transformers does.
+    """
+
+    def __init__(self, size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.zeros(size) if unit_offset else torch.ones(size))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
+
+
+def _norm(config: DecoderConfig, size: int | None = None) -> RMSNorm:
+    return RMSNorm(size or config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class Attention(nn.Module):
@@ -54,7 +71,14 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = h * d, kvh * d
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
-        self.spec = LayerAttentionSpec(h, kvh, d, d**-0.5, config.sliding_windows[layer])
+        scale = d**-0.5 if config.attention_scale is None else config.attention_scale
+        self.spec = LayerAttentionSpec(
+            h, kvh, d, scale, config.sliding_windows[layer], logit_softcap=config.attn_logit_softcap
+        )
+        backend.check_spec(self.spec)  # at start-up: a backend names the option it cannot run
+        # Qwen3: RMSNorm over each head of q and k, before RoPE.
+        self.q_norm = _norm(config, d) if config.qk_norm else None
+        self.k_norm = _norm(config, d) if config.qk_norm else None
         self.rope = rope
         self.backend = backend
 
@@ -63,9 +87,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         s = self.spec
-        q, k = self.rope(
-            positions, q.view(-1, s.num_heads, s.head_dim), k.view(-1, s.num_kv_heads, s.head_dim)
-        )
+        q, k = q.view(-1, s.num_heads, s.head_dim), k.view(-1, s.num_kv_heads, s.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
         out = self.backend.forward(s, q, k, v.view(-1, s.num_kv_heads, s.head_dim), kv_cache, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -76,10 +101,11 @@ class MLP(nn.Module):
         self.intermediate = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=config.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=config.mlp_bias)
+        self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -87,32 +113,42 @@ class DecoderLayer(nn.Module):
         self, config: DecoderConfig, layer: int, rope: RotaryEmbedding, backend: AttentionBackend
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = _norm(config)
         self.self_attn = Attention(config, layer, rope, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Pre-norm layers: this norm feeds the MLP. Sandwich layers (Gemma 2): it closes attention.
+        self.post_attention_layernorm = _norm(config)
         self.mlp = MLP(config)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = _norm(config)
+            self.post_feedforward_layernorm = _norm(config)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor | None, meta: Any
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        if not self.sandwich:
+            x = x + attn
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class DecoderForCausalLM(SpindleModel):
-    """Llama-style decoder: embed, N pre-norm layers, final norm, LM head on sampled rows only."""
+    """Llama-style decoder: embed, N layers, final norm, LM head on sampled rows only."""
 
     task = RequestKind.GENERATE
 
     def __init__(self, config: DecoderConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings)
+        rope = RotaryEmbedding(config.rope)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, rope, backend) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = _norm(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = rope  # registered once so .to(device) moves its tables
+        self.embed_scale: torch.Tensor | None = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -123,6 +159,15 @@ class DecoderForCausalLM(SpindleModel):
     def post_init(self) -> None:
         self.rope.init_tables()  # float32, as HF computes them
         self.tie_weights()  # to_empty gives every module its own new parameters
+        if self.config.embed_scale is not None:
+            # Gemma: a float32 scalar cast to the weights' dtype, then multiplied (as HF rounds it).
+            weight = self.embed_tokens.weight
+            self.embed_scale = torch.tensor(self.config.embed_scale, device=weight.device).to(weight.dtype)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings, scaled where the family scales them (Gemma: sqrt(hidden_size))."""
+        x = self.embed_tokens(input_ids)
+        return x if self.embed_scale is None else x * self.embed_scale
 
     def map_weight(self, hf_name: str) -> WeightTarget | None:
         """HF names -> spindle names; q/k/v and gate/up land in row ranges of fused parameters."""
@@ -146,13 +191,18 @@ class DecoderForCausalLM(SpindleModel):
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[torch.Tensor] | None,
         meta: Any,
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden]: replaces the lookup (VLMs)
     ) -> torch.Tensor:
         """Final hidden states [num_tokens, hidden_size]."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, None if kv_caches is None else kv_caches[i], meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [rows, vocab] for the rows that sample."""
-        return self.lm_head(hidden).float()
+        """float32 logits [rows, vocab] for the rows that sample (soft-capped first where the family caps)."""
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
