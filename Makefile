@@ -6,7 +6,7 @@ PROTO_SRC := $(wildcard protos/spindle/v1/*.proto)
 PROTO_OUT := shared/pb
 DEMO_MODEL := .models/demo-llama
 
-.PHONY: install protos run test lint bench clean redis-server
+.PHONY: install protos kernels run test lint bench clean redis-server
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -18,7 +18,13 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
-install: $(VENV)/.installed protos
+install: $(VENV)/.installed protos kernels
+
+# The C++ CPU kernels (paged attention), compiled here for this machine's CPU with -march=native
+# into ~/.cache/spindle/kernels/<key> (key: sources, flags, torch, CPU features), so workers
+# start without compiling. Never fails the install: a worker without them uses sdpa.
+kernels: $(VENV)/.installed
+	$(BIN)/python -m services.worker.kernels.build
 
 # gRPC code is generated, never edited. protoc writes absolute imports (`from spindle.v1
 # import x_pb2`); the sed makes them package-relative so the code lives under shared/pb.

@@ -42,7 +42,7 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most requests waiting for admission; past it new ones get HTTP 429")
     parser.add_argument("--max-waiting-tokens", type=int, default=None,
                         help="most prompt tokens waiting for admission; past it new requests get HTTP 429")
-    parser.add_argument("--attention-backend", default=None, help="auto | sdpa | naive | flash-attn")
+    parser.add_argument("--attention-backend", default=None, help="auto | paged | sdpa | naive | flash-attn")
     parser.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
     parser.add_argument("--device", default=None, help="auto | cpu | cuda")
     parser.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache budget per CPU worker")

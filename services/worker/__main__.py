@@ -62,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--attention-backend",
         default=_env("ATTENTION_BACKEND", "auto"),
-        help="auto, sdpa, naive or flash-attn [SPINDLE_ATTENTION_BACKEND]",
+        help="auto (CPU: paged when its C++ kernels load, else sdpa; CUDA: flash-attn when installed, "
+        "else sdpa), paged, sdpa, naive or flash-attn [SPINDLE_ATTENTION_BACKEND]",
     )
     parser.add_argument(
         "--block-size",

@@ -1,4 +1,4 @@
-"""Attention backends: sdpa and naive vs a dense per-sequence reference (GQA, sliding window, mixed batch)."""
+"""Attention backends: sdpa, naive and paged vs a dense per-sequence reference (GQA, sliding window, mixed batch)."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def _batch_tensors(positions: list[list[int]], full: list[torch.Tensor]) -> torc
 
 
 @pytest.mark.parametrize("window", [None, 4])
-@pytest.mark.parametrize("backend_name", ["sdpa", "naive"])
+@pytest.mark.parametrize("backend_name", ["sdpa", "naive", "paged"])
 def test_mixed_batch_and_decode_steps_match_dense_reference(backend_name: str, window: int | None) -> None:
     states, rows, num_scheduled, full_k, full_v, queries, cache = _setup(seed=0)
     backend = create_backend(backend_name, BS)
@@ -109,7 +109,7 @@ def test_mixed_batch_and_decode_steps_match_dense_reference(backend_name: str, w
 
 def test_sdpa_and_naive_agree_on_the_same_mixed_batch() -> None:
     outs = []
-    for name in ("sdpa", "naive"):
+    for name in ("sdpa", "naive", "paged"):
         states, rows, num_scheduled, full_k, full_v, queries, cache = _setup(seed=1)
         backend = create_backend(name, BS)
         inp = ModelInputBuilder(states, backend.metadata_builder(), torch.device("cpu")).build(
@@ -128,9 +128,10 @@ def test_sdpa_and_naive_agree_on_the_same_mixed_batch() -> None:
             )
         )
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[0], outs[2], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend_name", ["sdpa", "naive"])
+@pytest.mark.parametrize("backend_name", ["sdpa", "naive", "paged"])
 def test_encoder_only_packed_batch_is_bidirectional_per_sequence(backend_name: str) -> None:
     gen = torch.Generator().manual_seed(2)
     lens = np.array([5, 1, 9])
@@ -161,8 +162,8 @@ def test_encoder_only_packed_batch_is_bidirectional_per_sequence(backend_name: s
 
 
 def test_backend_registry_resolves_auto_and_rejects_unknown_names() -> None:
-    assert resolve_backend_name("auto", "cpu") == "sdpa"
-    assert set(ATTENTION_BACKENDS) == {"sdpa", "naive", "flash-attn"}
+    assert resolve_backend_name("auto", "cpu") == "paged"  # the C++ kernels build on every CI machine
+    assert set(ATTENTION_BACKENDS) == {"sdpa", "naive", "paged", "flash-attn"}
     with pytest.raises(ValueError, match="needs a CUDA device"):
         resolve_backend_name("flash-attn", "cpu")
     with pytest.raises(ValueError, match="unknown attention backend 'xformers'"):

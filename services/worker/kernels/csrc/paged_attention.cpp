@@ -1,0 +1,340 @@
+// Paged attention on the CPU that reads the KV cache in place.
+//
+// Why: the padded backends copy every row's whole KV history out of the paged cache per layer
+// per step, padded to the longest row, so a step costs batch x longest context. Here each
+// query token walks its own row's block table and reads only the blocks it may see, so a
+// step costs the sum of the rows' contexts (or windows), and nothing is copied but one
+// block at a time into an L1-sized float buffer.
+//
+// Layout (services/worker/kv_cache.py): kv_cache [2, num_blocks, block_size, num_kv_heads,
+// head_dim], keys then values; slot = block * block_size + offset. Tokens are packed
+// ([num_tokens, heads, head_dim]); row r owns tokens query_start_loc[r] ..
+// query_start_loc[r + 1], the last query_len tokens of its seq_lens[r]-token sequence.
+//
+// Work is split into items (row, query tile) chosen by the Python side (largest first) times
+// the KV heads; threads take the next item from one atomic counter, so one long row never
+// leaves the other thread idle. Each item keeps, per query vector (token x query head of the
+// KV head's GQA group), a flash-style online softmax in fp32: running max, running sum and an
+// fp32 accumulator, rescaled once per block.
+//
+// Build: compiled on the machine that runs it (-O3 -march=native, see kernels/build.py), so
+// the loops below are written for the compiler's vectoriser: fixed-stride inner loops over
+// head_dim or block_size under `omp simd`, no -inf masking (key ranges are clipped instead),
+// and an exp the compiler can vectorise.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace spindle {
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  // bf16 is the top half of an fp32: a shift the vectoriser turns into one instruction.
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+template <typename T>
+inline T from_float(float x) {
+  return static_cast<T>(x);  // c10's conversions round to nearest even
+}
+
+// e^x for x <= 0 (softmax after subtracting the running max), vectorisable: 2^n * e^r with
+// |r| <= ln2 / 2 and a degree-7 Taylor polynomial (truncation error ~5e-9, below fp32's eps).
+// Inputs below -87 give e^-87 (~1.6e-38): a weight that vanishes next to the max's 1.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+struct Shape {
+  int64_t num_heads, num_kv_heads, head_dim, block_size, num_blocks;
+  int64_t q_stride, out_stride;  // elements between consecutive tokens
+  int64_t bt_stride;             // elements between block-table rows
+  float scale, softcap;          // softcap 0: none
+  int64_t window;                // 0: no sliding window
+};
+
+// One work item: the query tokens [q_begin, q_end) of `row` (offsets within the row) for the
+// query heads that share KV head `kv_head`.
+template <typename q_t, typename kv_t>
+class ItemKernel {
+ public:
+  ItemKernel(const Shape& s, const q_t* query, q_t* out, const kv_t* cache, const int64_t* block_tables,
+             const int64_t* seq_lens, const int64_t* query_start_loc)
+      : s_(s), query_(query), out_(out), cache_(cache), block_tables_(block_tables), seq_lens_(seq_lens),
+        query_start_loc_(query_start_loc) {}
+
+  void run(int64_t row, int64_t q_begin, int64_t q_end, int64_t kv_head) {
+    const int64_t D = s_.head_dim, BS = s_.block_size, G = s_.num_heads / s_.num_kv_heads;
+    const int64_t query_len = query_start_loc_[row + 1] - query_start_loc_[row];
+    const int64_t first_pos = seq_lens_[row] - query_len;  // position of the row's first query
+    const int64_t nq = q_end - q_begin, nv = nq * G;         // query vectors in this item
+    q_.resize(nv * D);
+    acc_.assign(nv * D, 0.0f);
+    max_.assign(nv, -INFINITY);
+    sum_.assign(nv, 0.0f);
+    k_t_.resize(D * BS);
+    v_.resize(BS * D);
+    scores_.resize(BS);
+    for (int64_t i = 0; i < nq; ++i) {  // queries in fp32, pre-scaled
+      const q_t* src = query_ + (query_start_loc_[row] + q_begin + i) * s_.q_stride + kv_head * G * D;
+      float* dst = q_.data() + i * G * D;
+#pragma omp simd
+      for (int64_t e = 0; e < G * D; ++e) dst[e] = to_float(src[e]) * s_.scale;
+    }
+    const int64_t last_pos = first_pos + q_end - 1;
+    const int64_t lo = key_lo(first_pos + q_begin), hi = last_pos + 1;  // keys any query here sees
+    const int64_t* table = block_tables_ + row * s_.bt_stride;
+    for (int64_t b = lo / BS; b * BS < hi; ++b) {
+      const float* v = load_block(table[b], kv_head);
+      const int64_t j0 = b * BS;
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t pos = first_pos + q_begin + i;
+        const int64_t a = std::max(key_lo(pos), j0) - j0, e = std::min(pos + 1, j0 + BS) - j0;
+        if (a >= e) continue;  // this block is outside query i's window or in its future
+        for (int64_t h = 0; h < G; ++h) accumulate((i * G + h), a, e, v);
+      }
+    }
+    for (int64_t i = 0; i < nq; ++i) {
+      q_t* dst = out_ + (query_start_loc_[row] + q_begin + i) * s_.out_stride + kv_head * G * D;
+      for (int64_t h = 0; h < G; ++h) {
+        const float inv = 1.0f / sum_[i * G + h];  // >= 1 key (the query's own) is always seen
+        const float* a = acc_.data() + (i * G + h) * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) dst[h * D + d] = from_float<q_t>(a[d] * inv);
+      }
+    }
+  }
+
+ private:
+  int64_t key_lo(int64_t pos) const { return s_.window > 0 ? std::max<int64_t>(0, pos - s_.window + 1) : 0; }
+
+  // Keys of one block into k_t_ [D][BS] (transposed: scores vectorise over the block's keys
+  // with no horizontal sums), values as fp32 [BS][D]: read in place when the cache is fp32.
+  const float* load_block(int64_t block, int64_t kv_head) {
+    const int64_t D = s_.head_dim, BS = s_.block_size, tok = s_.num_kv_heads * D;
+    const kv_t* k = cache_ + block * BS * tok + kv_head * D;
+    const kv_t* v = k + s_.num_blocks * BS * tok;
+    for (int64_t j = 0; j < BS; ++j) {
+      const kv_t* kj = k + j * tok;
+      for (int64_t d = 0; d < D; ++d) k_t_[d * BS + j] = to_float(kj[d]);
+    }
+    if constexpr (std::is_same_v<kv_t, float>) {
+      v_stride_ = tok;  // fp32 values are read where they lie
+      return v;
+    }
+    v_stride_ = D;
+    for (int64_t j = 0; j < BS; ++j) {
+      const kv_t* vj = v + j * tok;
+      float* dst = v_.data() + j * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) dst[d] = to_float(vj[d]);
+    }
+    return v_.data();
+  }
+
+  // Online softmax step of query vector `qv` over keys [a, e) of the loaded block.
+  void accumulate(int64_t qv, int64_t a, int64_t e, const float* v) {
+    const int64_t D = s_.head_dim, BS = s_.block_size;
+    const float* q = q_.data() + qv * D;
+    float* s = scores_.data();
+    std::fill(s, s + BS, 0.0f);
+    for (int64_t d = 0; d < D; ++d) {
+      const float qd = q[d];
+      const float* kd = k_t_.data() + d * BS;
+#pragma omp simd
+      for (int64_t j = 0; j < BS; ++j) s[j] += qd * kd[j];
+    }
+    if (s_.softcap > 0.0f) {
+      for (int64_t j = a; j < e; ++j) s[j] = s_.softcap * std::tanh(s[j] / s_.softcap);
+    }
+    float block_max = s[a];
+    for (int64_t j = a + 1; j < e; ++j) block_max = std::max(block_max, s[j]);
+    const float new_max = std::max(max_[qv], block_max);
+    const float alpha = exp_nonpositive(max_[qv] - new_max);
+    float block_sum = 0.0f;
+#pragma omp simd reduction(+ : block_sum)
+    for (int64_t j = a; j < e; ++j) {
+      s[j] = exp_nonpositive(s[j] - new_max);
+      block_sum += s[j];
+    }
+    max_[qv] = new_max;
+    sum_[qv] = sum_[qv] * alpha + block_sum;
+    float* acc = acc_.data() + qv * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+    for (int64_t j = a; j < e; ++j) {
+      const float p = s[j];
+      const float* vj = v + j * v_stride_;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) acc[d] += p * vj[d];
+    }
+  }
+
+  const Shape& s_;
+  const q_t* query_;
+  q_t* out_;
+  const kv_t* cache_;
+  const int64_t* block_tables_;
+  const int64_t* seq_lens_;
+  const int64_t* query_start_loc_;
+  std::vector<float> q_, acc_, max_, sum_, k_t_, v_, scores_;
+  int64_t v_stride_ = 0;  // elements between the loaded block's value rows
+};
+
+// Stores this pass's keys and values at their slots, converting to the cache's dtype.
+template <typename q_t, typename kv_t>
+void write_kv(const at::Tensor& key, const at::Tensor& value, kv_t* cache, const int64_t* slots,
+              int64_t num_blocks, int64_t block_size) {
+  const int64_t T = key.size(0), tok = key.size(1) * key.size(2);
+  const q_t* k = key.data_ptr<q_t>();
+  const q_t* v = value.data_ptr<q_t>();
+  const int64_t ks = key.stride(0), vs = value.stride(0), values_at = num_blocks * block_size * tok;
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slots[t] < 0) continue;  // padding token: nothing to store
+      kv_t* dk = cache + slots[t] * tok;
+      kv_t* dv = dk + values_at;
+      for (int64_t e = 0; e < tok; ++e) dk[e] = from_float<kv_t>(to_float(k[t * ks + e]));
+      for (int64_t e = 0; e < tok; ++e) dv[e] = from_float<kv_t>(to_float(v[t * vs + e]));
+    }
+  });
+}
+
+template <typename q_t, typename kv_t>
+void run_typed(const Shape& s, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+               const at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+               const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& work_items,
+               at::Tensor& out) {
+  kv_t* cache = kv_cache.data_ptr<kv_t>();
+  if (slot_mapping.numel() > 0) {
+    write_kv<q_t, kv_t>(key, value, cache, slot_mapping.data_ptr<int64_t>(), s.num_blocks, s.block_size);
+  }
+  const int64_t num_items = work_items.size(0), total = num_items * s.num_kv_heads;
+  const int64_t* items = work_items.data_ptr<int64_t>();
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    ItemKernel<q_t, kv_t> kernel(s, query.data_ptr<q_t>(), out.data_ptr<q_t>(), cache,
+                                 block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+                                 query_start_loc.data_ptr<int64_t>());
+    for (int64_t w = next.fetch_add(1); w < total; w = next.fetch_add(1)) {
+      const int64_t* item = items + (w / s.num_kv_heads) * 3;
+      kernel.run(item[0], item[1], item[2], w % s.num_kv_heads);
+    }
+  });
+}
+
+template <typename q_t>
+void dispatch_cache(const Shape& s, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                    const at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& work_items,
+                    at::Tensor& out) {
+  switch (kv_cache.scalar_type()) {
+    case at::kFloat:
+      return run_typed<q_t, float>(s, query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
+                                   query_start_loc, work_items, out);
+    case at::kBFloat16:
+      return run_typed<q_t, c10::BFloat16>(s, query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
+                                           query_start_loc, work_items, out);
+    case at::kHalf:
+      return run_typed<q_t, c10::Half>(s, query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
+                                       query_start_loc, work_items, out);
+    default:
+      TORCH_CHECK(false, "paged_attention: unsupported KV cache dtype ", kv_cache.scalar_type());
+  }
+}
+
+// Tokens along dim 0, heads x head_dim packed behind it (a view of a fused qkv output is fine).
+at::Tensor packed_rows(const at::Tensor& t) {
+  TORCH_CHECK(t.dim() == 3, "paged_attention: expected [tokens, heads, head_dim]");
+  return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
+}
+
+}  // namespace
+
+// Writes key/value at slot_mapping (skipped when it is empty), then attends every query token
+// of every row to the keys its row's block table holds up to its own position. work_items
+// [n, 3] int64: (row, first query offset, end query offset), processed largest first.
+at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
+                           at::Tensor kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                           const at::Tensor& work_items, double scale, int64_t window, double softcap) {
+  TORCH_CHECK(kv_cache.device().is_cpu() && kv_cache.is_contiguous() && kv_cache.dim() == 5,
+              "paged_attention: kv_cache must be a contiguous CPU tensor [2, blocks, block_size, kv_heads, dim]");
+  for (const at::Tensor* t : {&slot_mapping, &block_tables, &seq_lens, &query_start_loc, &work_items}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong, "paged_attention: index tensors must be int64");
+  }
+  TORCH_CHECK(seq_lens.is_contiguous() && query_start_loc.is_contiguous() && work_items.is_contiguous() &&
+                  slot_mapping.is_contiguous() && block_tables.stride(-1) == 1,
+              "paged_attention: index tensors must be contiguous");
+  const at::Tensor query = packed_rows(query_in), key = packed_rows(key_in), value = packed_rows(value_in);
+  TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
+              "paged_attention: query, key and value must share a dtype");
+  TORCH_CHECK(key.size(1) == kv_cache.size(3) && key.size(2) == kv_cache.size(4) &&
+                  query.size(2) == kv_cache.size(4) && query.size(1) % kv_cache.size(3) == 0,
+              "paged_attention: head shapes do not match the cache");
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  const Shape s{query.size(1),     kv_cache.size(3),       kv_cache.size(4),
+                kv_cache.size(2),  kv_cache.size(1),       query.stride(0),
+                out.stride(0),     block_tables.stride(0), static_cast<float>(scale),
+                static_cast<float>(softcap), window};
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      dispatch_cache<float>(s, query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+                            work_items, out);
+      break;
+    case at::kBFloat16:
+      dispatch_cache<c10::BFloat16>(s, query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
+                                    query_start_loc, work_items, out);
+      break;
+    case at::kHalf:
+      dispatch_cache<c10::Half>(s, query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
+                                query_start_loc, work_items, out);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_attention: unsupported query dtype ", query.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace spindle
+
+TORCH_LIBRARY(spindle, m) {
+  m.def(
+      "paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor work_items, float scale, "
+      "int window, float softcap) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(spindle, CPU, m) { m.impl("paged_attention", &spindle::paged_attention); }

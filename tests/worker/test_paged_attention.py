@@ -1,0 +1,163 @@
+"""The C++ paged attention kernel against a dense float64 reference, and its fallback.
+
+Random block tables (blocks shuffled over the pool), ragged query and sequence lengths (decode
+rows, chunks after a cached prefix, fresh prompts, rows longer than a tile), GQA, sliding
+windows, soft-capping, fp32 and bf16 KV; the keys and values of the pass are written by the
+kernel itself, so the test also checks they land at their slots.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from services.worker.attention import resolve_backend_name
+from services.worker.attention.base import AttentionType, CommonAttentionMetadata, LayerAttentionSpec
+from services.worker.attention.paged import create, work_items
+from services.worker.kernels import build
+
+# (sequence length after this pass, query tokens of this pass)
+ROWS = [(1, 1), (37, 1), (64, 1), (90, 40), (17, 17), (5, 2), (130, 1), (48, 33)]
+
+
+def _reference(q, k, v, first_pos, window, softcap, scale):
+    """q [n, H, D] at positions first_pos.., keys/values [L, Hkv, D] of the row (float64)."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(groups, dim=1)
+    v = v.double().repeat_interleave(groups, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    pos = torch.arange(first_pos, first_pos + q.shape[0])[:, None]
+    keys = torch.arange(k.shape[0])[None, :]
+    allowed = keys <= pos
+    if window:
+        allowed &= keys > pos - window
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
+
+
+def _case(seed, heads, kv_heads, head_dim, block_size, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n, _ in ROWS) + 5
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(-(-n // block_size) for n, _ in ROWS)
+    tables = torch.zeros(len(ROWS), max_blocks + 2, dtype=torch.int64)  # wider than needed, as in a round
+    full_k, full_v, slots = [], [], []
+    for r, (n, q_len) in enumerate(ROWS):
+        nb = -(-n // block_size)
+        tables[r, :nb] = torch.tensor([perm.pop() for _ in range(nb)])
+        full_k.append(torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype))
+        full_v.append(torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype))
+        for pos in range(n):
+            slot = int(tables[r, pos // block_size]) * block_size + pos % block_size
+            if pos < n - q_len:  # history written by earlier passes
+                cache[0].view(-1, kv_heads, head_dim)[slot] = full_k[r][pos]
+                cache[1].view(-1, kv_heads, head_dim)[slot] = full_v[r][pos]
+            else:
+                slots.append(slot)
+    q_lens = np.array([q for _, q in ROWS])
+    seq_lens = np.array([n for n, _ in ROWS])
+    query = torch.randn(int(q_lens.sum()), heads, head_dim, generator=gen).to(dtype)
+    key = torch.cat([full_k[r][n - q :] for r, (n, q) in enumerate(ROWS)])
+    value = torch.cat([full_v[r][n - q :] for r, (n, q) in enumerate(ROWS)])
+    common = CommonAttentionMetadata(
+        attn_type=AttentionType.DECODER,
+        num_reqs=len(ROWS),
+        num_tokens=len(query),
+        max_query_len=int(q_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+        query_start_loc=torch.from_numpy(np.concatenate(([0], np.cumsum(q_lens)))),
+        seq_lens=torch.from_numpy(seq_lens),
+        query_lens_host=q_lens,
+        seq_lens_host=seq_lens,
+        block_tables=tables,
+        slot_mapping=torch.tensor(slots),
+    )
+    return cache, common, query, key, value, full_k, full_v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size", "window", "softcap"),
+    [(8, 2, 64, 16, None, None), (4, 4, 32, 4, 7, None), (6, 1, 16, 8, 20, 5.0), (16, 4, 128, 16, 1, None)],
+)
+def test_kernel_matches_dense_reference(dtype, heads, kv_heads, head_dim, block_size, window, softcap) -> None:
+    cache, common, query, key, value, full_k, full_v = _case(0, heads, kv_heads, head_dim, block_size, dtype)
+    backend = create(block_size)
+    spec = LayerAttentionSpec(heads, kv_heads, head_dim, head_dim**-0.5, window)
+    if softcap:
+        spec = _with_softcap(spec, softcap)
+    out = backend.forward(spec, query, key, value, cache, backend.metadata_builder().build(common, []))
+    assert out.dtype == dtype and out.shape == query.shape
+    starts = common.query_start_loc.tolist()
+    for r, (n, q_len) in enumerate(ROWS):
+        expected = _reference(query[starts[r] : starts[r + 1]], full_k[r], full_v[r], n - q_len, window, softcap,
+                              spec.scale)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+        torch.testing.assert_close(out[starts[r] : starts[r + 1]].double(), expected, atol=tol, rtol=tol)
+    flat_k, flat_v = cache[0].view(-1, kv_heads, head_dim), cache[1].view(-1, kv_heads, head_dim)
+    assert torch.equal(flat_k[common.slot_mapping], key) and torch.equal(flat_v[common.slot_mapping], value)
+
+
+def _with_softcap(spec: LayerAttentionSpec, softcap: float):
+    """The spec with a logit soft-cap; a stand-in while LayerAttentionSpec has no such field."""
+    if "logit_softcap" in LayerAttentionSpec.__dataclass_fields__:
+        return LayerAttentionSpec(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.scale, spec.sliding_window,
+                                  logit_softcap=softcap)
+
+    class Capped:
+        num_heads, num_kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        scale, sliding_window, logit_softcap = spec.scale, spec.sliding_window, softcap
+
+    return Capped()
+
+
+def test_bf16_query_over_fp32_cache_and_strided_value_view() -> None:
+    """Mixed dtypes convert in the kernel; a value view of a fused qkv output is read as is."""
+    cache, common, query, key, value, full_k, full_v = _case(3, 4, 2, 32, 16, torch.float32)
+    fused = torch.cat([key, value], dim=-1)  # [T, Hkv, 2D]: value as a non-contiguous view
+    value_view = fused[..., 32:]
+    backend = create(16)
+    spec = LayerAttentionSpec(4, 2, 32, 32**-0.5)
+    meta = backend.metadata_builder().build(common, [])
+    out = backend.forward(spec, query, key, value_view, cache.clone(), meta)
+    expected = backend.forward(spec, query, key, value.contiguous(), cache.clone(), meta)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    bf16 = backend.forward(spec, query.bfloat16(), key.bfloat16(), value.bfloat16(), cache.clone(), meta)
+    torch.testing.assert_close(bf16.float(), expected, atol=3e-2, rtol=3e-2)
+
+
+def test_work_items_cover_every_query_once_largest_first() -> None:
+    q_lens, seq_lens = np.array([1, 40, 17, 3]), np.array([9, 90, 17, 300])
+    items = work_items(q_lens, seq_lens, tile=16)
+    covered = sorted((r, t) for r, b, e in items for t in range(b, e))
+    assert covered == [(r, t) for r in range(4) for t in range(q_lens[r])]
+    cost = (items[:, 2] - items[:, 1]) * (seq_lens[items[:, 0]] - q_lens[items[:, 0]] + items[:, 2])
+    assert (np.diff(cost) <= 0).all()
+    assert work_items(np.ones(3, np.int64), np.array([5, 50, 7]))[:, 0].tolist() == [1, 2, 0]
+
+
+def test_auto_falls_back_to_sdpa_when_kernels_cannot_load(monkeypatch, caplog) -> None:
+    assert resolve_backend_name("auto", "cpu") == "paged"
+    monkeypatch.setattr("services.worker.attention.kernels_error", lambda: "no C++ compiler (g++) on PATH")
+    with caplog.at_level("WARNING"):
+        assert resolve_backend_name("auto", "cpu") == "sdpa"
+        assert resolve_backend_name("paged", "cpu") == "sdpa"
+    assert "paged attention unavailable (no C++ compiler (g++) on PATH); using the sdpa backend" in caplog.text
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        resolve_backend_name("paged", "cuda")
+
+
+def test_a_failed_build_is_reported_not_raised(monkeypatch, tmp_path) -> None:
+    """A broken compiler gives a reason string (and `make install` exits 0 without --strict)."""
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("CXX", "/bin/false")
+    build.load_kernels.cache_clear()
+    try:
+        assert build.kernels_error() is not None and "compiler exited 1" in build.kernels_error()
+        assert build.main([]) == 0 and build.main(["--strict"]) == 1
+        assert not list(tmp_path.rglob("*.so"))
+    finally:
+        build.load_kernels.cache_clear()
