@@ -6,7 +6,7 @@ PROTO_SRC := $(wildcard protos/spindle/v1/*.proto)
 PROTO_OUT := shared/pb
 DEMO_MODEL := .models/demo-llama
 
-.PHONY: install protos kernels run test lint bench clean redis-server
+.PHONY: install protos kernels run test lint bench soak clean redis-server
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -71,6 +71,12 @@ lint: install
 
 bench: install
 	$(BIN)/python -m benchmarks.run
+
+# Not in CI: 256 streams (HTTP and gRPC, random shapes, aborts, invalid requests) for 10 minutes,
+# then KV blocks, open requests and each service's RSS must be back to their baseline
+# (benchmarks/soak.py). More flags: make soak SOAK_ARGS="--duration-s 60 --workers 2".
+soak: install
+	$(BIN)/python -m benchmarks.soak $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(PROTO_OUT) .models

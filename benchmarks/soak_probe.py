@@ -1,0 +1,122 @@
+"""Look at a running `spindle serve` from outside: its service processes, their memory, and the
+scheduler's and frontend's own account of open requests and KV blocks.
+
+Everything is read the way an operator would: processes and resident memory from /proc, KV
+usage from the scheduler's Prometheus /metrics (`spindle:kv_cache_usage_perc` counts a block
+that only the prefix cache holds as free, so an idle server reads 0), queue sizes from
+GetSchedulerInfo, and requests in flight from the frontend's /metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared.pb.spindle.v1 import scheduler_pb2, scheduler_pb2_grpc
+from tests.e2e.faults import flag
+from tests.e2e.server import descendants
+
+SERVICES = ("frontend", "scheduler", "worker")
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceProcess:
+    name: str  # frontend, scheduler, worker-0, worker-1, ...
+    pid: int
+    cmdline: list[str]
+
+
+def service_processes(launcher_pid: int) -> list[ServiceProcess]:
+    """The services `spindle serve` (pid `launcher_pid`) runs now; workers numbered in start order."""
+    found: dict[str, list[tuple[int, list[str]]]] = {s: [] for s in SERVICES}
+    for pid in descendants(launcher_pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue  # exited meanwhile
+        for service in SERVICES:
+            if f"services.{service}" in cmdline:
+                found[service].append((pid, cmdline))
+    out = []
+    for service, procs in found.items():
+        for i, (pid, cmdline) in enumerate(sorted(procs)):
+            out.append(ServiceProcess(f"{service}-{i}" if service == "worker" else service, pid, cmdline))
+    return out
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of `pid` (VmRSS); 0 if it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample of metric `name` in a Prometheus text exposition."""
+    return [(sample.labels, sample.value) for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == name]
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The server at one moment."""
+
+    pids: dict[str, int]
+    rss: dict[str, int]  # bytes, by service name
+    kv_used_blocks: int  # over all workers; blocks only the prefix cache holds count as free
+    kv_blocks: int
+    running: int
+    waiting: int
+    frontend_in_flight: int
+    preemptions: int
+
+    @property
+    def idle(self) -> bool:
+        return (self.kv_used_blocks, self.running, self.waiting, self.frontend_in_flight) == (0, 0, 0, 0)
+
+
+class Probe:
+    """Snapshots of `spindle serve` started with `--metrics-port metrics_port` (frontend there, scheduler +1)."""
+
+    def __init__(self, launcher_pid: int, metrics_port: int) -> None:
+        self.launcher_pid = launcher_pid
+        self.metrics_port = metrics_port
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        scheduler = next(p for p in service_processes(launcher_pid) if p.name == "scheduler")
+        self._channel = grpc.aio.insecure_channel(flag(scheduler.cmdline, "--listen"))
+        self.scheduler = scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
+
+    async def info(self) -> scheduler_pb2.GetSchedulerInfoResponse:
+        return await self.scheduler.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest(), timeout=10)
+
+    async def _metrics(self, port: int) -> str:
+        async with self._http.get(f"http://127.0.0.1:{port}/metrics") as resp:
+            resp.raise_for_status()
+            return await resp.text()
+
+    async def snapshot(self) -> Snapshot:
+        procs = service_processes(self.launcher_pid)
+        info = await self.info()
+        scheduler_metrics = await self._metrics(self.metrics_port + 1)
+        frontend_metrics = await self._metrics(self.metrics_port)
+        blocks = {labels.get("worker", ""): value
+                  for labels, value in metric_samples(scheduler_metrics, "spindle:num_kv_blocks")}
+        used = sum(round(value * blocks.get(labels.get("worker", ""), 0.0))
+                   for labels, value in metric_samples(scheduler_metrics, "spindle:kv_cache_usage_perc"))
+        in_flight = sum(v for _, v in metric_samples(frontend_metrics, "spindle:frontend_requests_in_flight"))
+        return Snapshot(pids={p.name: p.pid for p in procs}, rss={p.name: rss_bytes(p.pid) for p in procs},
+                        kv_used_blocks=int(used), kv_blocks=int(sum(blocks.values())),
+                        running=info.stats.num_running, waiting=info.stats.num_waiting,
+                        frontend_in_flight=int(in_flight), preemptions=info.stats.num_preemptions)
+
+    async def close(self) -> None:
+        await self._http.close()
+        await self._channel.close()
