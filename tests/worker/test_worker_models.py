@@ -85,12 +85,12 @@ def test_unsupported_architecture_is_a_clear_error(llama_dir: Path) -> None:
 @pytest.mark.parametrize(
     "override",
     [
-        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
-        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0}},
+        {"rope_scaling": {"rope_type": "proportional", "factor": 8.0}},
+        {"rope_parameters": {"rope_type": "xpos", "rope_theta": 10000.0}},
     ],
 )
-def test_rope_scaling_is_rejected(llama_dir: Path, override: dict) -> None:
-    with pytest.raises(ValueError, match="unsupported rope scaling"):
+def test_unknown_rope_scaling_is_rejected(llama_dir: Path, override: dict) -> None:
+    with pytest.raises(ValueError, match="unsupported rope scaling '(proportional|xpos)'.*supported: default"):
         parse_config(read_hf_config(llama_dir) | override)
 
 

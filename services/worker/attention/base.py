@@ -32,6 +32,8 @@ class LayerAttentionSpec:
     head_dim: int
     scale: float
     sliding_window: int | None = None  # a query at position p sees keys at positions > p - window
+    # Gemma 2: scores become cap * tanh(scores / cap) after scaling, before the mask and softmax.
+    logit_softcap: float | None = None
 
 
 @dataclass(slots=True)
@@ -88,6 +90,19 @@ class AttentionBackend(ABC):
     """One attention implementation over the paged KV cache."""
 
     name: str
+    # Backends that apply `LayerAttentionSpec.logit_softcap` say so; the others refuse it at start-up.
+    supports_logit_softcap: bool = False
+
+    def check_spec(self, spec: LayerAttentionSpec) -> None:
+        """Raise ValueError, naming the option, for a layer this backend cannot compute exactly.
+
+        Models call it while they are built, so an unsupported option stops the worker at start-up.
+        """
+        if spec.logit_softcap is not None and not self.supports_logit_softcap:
+            raise ValueError(
+                f"attention backend {self.name!r} does not support attention logit soft-capping "
+                "(attn_logit_softcapping); choose --attention-backend sdpa or naive"
+            )
 
     @abstractmethod
     def metadata_builder(self) -> AttentionMetadataBuilder:

@@ -59,6 +59,7 @@ class FlashMetadataBuilder(AttentionMetadataBuilder):
 
 class FlashAttnBackend(AttentionBackend):
     name = "flash-attn"
+    supports_logit_softcap = True  # flash-attn >= 2.6 `softcap`
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -81,6 +82,7 @@ class FlashAttnBackend(AttentionBackend):
             key = kv_cache[0].view(-1, *kv_cache.shape[-2:])[metadata.kv_slots]
             value = kv_cache[1].view(-1, *kv_cache.shape[-2:])[metadata.kv_slots]
         window = (-1, -1) if spec.sliding_window is None else (spec.sliding_window - 1, 0)
+        softcap = {} if spec.logit_softcap is None else {"softcap": spec.logit_softcap}
         return flash_attn_varlen_func(
             query,
             key,
@@ -92,4 +94,5 @@ class FlashAttnBackend(AttentionBackend):
             softmax_scale=spec.scale,
             causal=common.causal,
             window_size=window,
+            **softcap,
         )

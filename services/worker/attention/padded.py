@@ -23,8 +23,11 @@ from services.worker.attention.base import (
     write_kv,
 )
 
-# kernel(query [N, H, Lq, D], key [N, Hkv, K, D], value, mask [N, 1, Lq, K] bool, scale) -> [N, H, Lq, D]
-Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# kernel(query [N, H, Lq, D], key [N, Hkv, K, D], value, mask [N, 1, Lq, K] bool, scale, logit softcap)
+#   -> [N, H, Lq, D]
+Kernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float | None], torch.Tensor
+]
 
 
 @dataclass(slots=True)
@@ -146,6 +149,8 @@ class PaddedMetadataBuilder(AttentionMetadataBuilder):
 class PaddedBackend(AttentionBackend):
     """A backend over padded groups; backends of this kind differ only in their kernel."""
 
+    supports_logit_softcap = True  # every kernel here applies LayerAttentionSpec.logit_softcap
+
     def __init__(self, name: str, kernel: Kernel, block_size: int) -> None:
         self.name = name
         self.kernel = kernel
@@ -204,5 +209,7 @@ def _run(
     causal: bool,
 ) -> torch.Tensor:
     mask = group.mask(spec.sliding_window, causal)
-    out = kernel(q.transpose(1, 2), k.transpose(1, 2), v.to(q.dtype).transpose(1, 2), mask, spec.scale)
+    out = kernel(
+        q.transpose(1, 2), k.transpose(1, 2), v.to(q.dtype).transpose(1, 2), mask, spec.scale, spec.logit_softcap
+    )
     return out.transpose(1, 2)

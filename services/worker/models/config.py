@@ -1,15 +1,22 @@
 """`DecoderConfig`: the shape of a decoder checkpoint, parsed from its HF config.json.
 
-One parser per family says which HF fields turn into which flags (qkv bias, sliding window per
-layer); anything spindle cannot run exactly (rope scaling, other activations) is rejected here
-with a ValueError naming the field, never silently approximated.
+One parser per family says which HF fields turn into which flags (qkv bias, q/k norms, sliding
+window per layer, Gemma's norms and soft-capping); RoPE settings are parsed by
+`rope_scaling.parse_rope`. Anything spindle cannot run exactly (an unknown rope type, another
+activation) is rejected here with a ValueError naming the field, never silently approximated.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from services.worker.models.rope_scaling import RopeConfig, parse_rope
+
+# HF activation name -> what the MLP gate runs (F.silu; F.gelu with tanh approximation).
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(slots=True, frozen=True)
@@ -25,28 +32,26 @@ class DecoderConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
+    rope: RopeConfig
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
     eos_token_ids: tuple[int, ...]
+    hidden_act: str = "silu"
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query / key head before RoPE
+    norm_unit_offset: bool = False  # Gemma: RMSNorm scales by (1 + weight), computed in float32
+    sandwich_norms: bool = False  # Gemma 2: norms after attention and MLP too, plus one before the MLP
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    attention_scale: float | None = None  # None = head_dim ** -0.5 (Gemma 2: query_pre_attn_scalar ** -0.5)
+    attn_logit_softcap: float | None = None  # Gemma 2: cap * tanh(scores / cap) before the softmax
+    final_logit_softcap: float | None = None  # Gemma 2: the same on the LM head's logits
 
-
-def _rope_theta(hf: dict[str, Any]) -> float:
-    """rope_theta from transformers 5 `rope_parameters` or the older top-level fields."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling")
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    if scaling:
-        rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise ValueError(
-            f"unsupported rope scaling {rope_type!r} (rope_scaling/rope_parameters); only default RoPE"
-        )
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    @property
+    def max_position_embeddings(self) -> int:
+        """Positions the model serves (the RoPE table): the scaled context where scaling extends it."""
+        return self.rope.max_positions
 
 
 def _eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
@@ -63,11 +68,16 @@ def _base(
     qkv_bias: bool,
     o_bias: bool,
     mlp_bias: bool,
+    activation: tuple[str, str] = ("hidden_act", "silu"),  # (HF field, its default)
+    tie_default: bool = False,
+    rope_aliases: dict[str, str] | None = None,
 ) -> DecoderConfig:
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"unsupported hidden_act={act!r}; only 'silu'")
+    act_field, act_default = activation
+    act = hf.get(act_field) or act_default
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"unsupported {act_field}={act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
     num_heads = int(hf["num_attention_heads"])
+    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
     return DecoderConfig(
         architecture=architecture,
         vocab_size=int(hf["vocab_size"]),
@@ -76,16 +86,16 @@ def _base(
         num_layers=int(hf["num_hidden_layers"]),
         num_heads=num_heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
+        head_dim=head_dim,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(hf),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope=parse_rope(hf, head_dim, rope_aliases),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", tie_default)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=mlp_bias,
         sliding_windows=windows,
         eos_token_ids=_eos_ids(hf),
+        hidden_act=act,
     )
 
 
@@ -118,3 +128,42 @@ def qwen2_config(hf: dict[str, Any]) -> DecoderConfig:
     first = int(hf.get("max_window_layers", 0))
     windows = _per_layer(hf, window, lambda i: window is not None and i >= first)
     return _base(hf, "Qwen2ForCausalLM", windows, True, False, False)
+
+
+def qwen3_config(hf: dict[str, Any]) -> DecoderConfig:
+    """Qwen3: Qwen2's window rule, q/k RMSNorm per head, biases only with attention_bias."""
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+    first = int(hf.get("max_window_layers", 0))
+    windows = _per_layer(hf, window, lambda i: window is not None and i >= first)
+    bias = bool(hf.get("attention_bias", False))
+    return dataclasses.replace(_base(hf, "Qwen3ForCausalLM", windows, bias, bias, False), qk_norm=True)
+
+
+def phi3_config(hf: dict[str, Any]) -> DecoderConfig:
+    """Phi-3 / 3.5 / 4-mini: fused qkv and gate-up weights (loaded as they are), longrope."""
+    window = hf.get("sliding_window")
+    windows = (window,) * int(hf["num_hidden_layers"])  # every layer, when set
+    # Older Phi-3 configs name longrope "su" or "yarn" (transformers reads both as longrope).
+    aliases = {"su": "longrope", "yarn": "longrope"}
+    return _base(hf, "Phi3ForCausalLM", windows, False, False, False, rope_aliases=aliases)
+
+
+def gemma2_config(hf: dict[str, Any]) -> DecoderConfig:
+    """Gemma 2: (1 + w) sandwich norms, scaled embeddings, soft-capping, alternating windows."""
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("unsupported use_bidirectional_attention=true (Gemma 2 as an encoder)")
+    window = hf.get("sliding_window")
+    windows = _per_layer(hf, window, lambda i: window is not None and i % 2 == 0)  # HF: (i + 1) % 2
+    bias = bool(hf.get("attention_bias", False))
+    base = _base(hf, "Gemma2ForCausalLM", windows, bias, bias, False, ("hidden_activation", "gelu_pytorch_tanh"), True)
+    softcap = hf.get("attn_logit_softcapping")
+    final_softcap = hf.get("final_logit_softcapping")
+    return dataclasses.replace(
+        base,
+        norm_unit_offset=True,
+        sandwich_norms=True,
+        embed_scale=base.hidden_size**0.5,
+        attention_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+        attn_logit_softcap=None if softcap is None else float(softcap),
+        final_logit_softcap=None if final_softcap is None else float(final_softcap),
+    )

@@ -1,8 +1,10 @@
-"""Rotary position embedding, bit-compatible with Hugging Face's default RoPE.
+"""Rotary position embedding, bit-compatible with Hugging Face's RoPE variants.
 
-Same inverse frequencies (int64 arange cast to float32), the same float32 angle product, and
-the `rotate_half` convention (first half / second half of each head), so a float32 forward
-matches transformers exactly.
+The inverse frequencies come from `rope_scaling` (the same float32 arithmetic as transformers);
+the angle table is the same float32 product position * frequency, cos and sin are multiplied by
+the variant's attention factor, and heads rotate with the `rotate_half` convention (first half /
+second half). With a partial rotary factor only the leading `rotary_dim` dimensions of each head
+rotate; the rest pass through. A float32 forward therefore matches transformers exactly.
 """
 
 from __future__ import annotations
@@ -10,34 +12,46 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from services.worker.models.rope_scaling import RopeConfig, rope_frequencies
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to `max_positions`, looked up by position."""
+def rope_tables(rope: RopeConfig, num_positions: int, device: torch.device | None = None) -> tuple[
+    torch.Tensor, torch.Tensor
+]:
+    """float32 cos and sin [num_positions, rotary_dim] for positions 0..num_positions-1.
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+    Each position uses the frequency set whose range it falls in (longrope: short, then long).
+    """
+    sets, attention = rope_frequencies(rope, device)
+    positions = torch.arange(num_positions, dtype=torch.int64, device=device).float()
+    freqs = positions[:, None] * sets[0][1][None, :]
+    for start, inv_freq in sets[1:]:
+        freqs[start:] = positions[start:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * attention, emb.sin() * attention
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every served position, looked up by position."""
+
+    def __init__(self, rope: RopeConfig) -> None:
         super().__init__()
-        self.head_dim, self.theta, self.max_positions = head_dim, theta, max_positions
-        self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
-        self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+        self.rope = rope
+        rows, dim = rope.max_positions, rope.rotary_dim
+        self.register_buffer("cos", torch.empty(rows, dim), persistent=False)
+        self.register_buffer("sin", torch.empty(rows, dim), persistent=False)
         self.init_tables()
 
     def init_tables(self) -> None:
         """(Re)compute the float32 tables on the buffers' device (after meta-device construction)."""
-        device = self.cos.device
-        if device.type == "meta":
+        if self.cos.device.type == "meta":
             return
-        d = self.head_dim
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
-        positions = torch.arange(self.max_positions, dtype=torch.int64, device=device).float()
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos()
-        self.sin = emb.sin()
+        self.cos, self.sin = rope_tables(self.rope, self.rope.max_positions, self.cos.device)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
@@ -45,4 +59,12 @@ class RotaryEmbedding(nn.Module):
         """Rotate query [T, H, D] and key [T, Hkv, D] by their token positions [T]."""
         cos = self.cos[positions].to(query.dtype)[:, None, :]
         sin = self.sin[positions].to(query.dtype)[:, None, :]
-        return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    dim = cos.shape[-1]
+    if dim == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    head, rest = x[..., :dim], x[..., dim:]
+    return torch.cat((head * cos + rotate_half(head) * sin, rest), dim=-1)
