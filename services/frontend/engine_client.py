@@ -9,17 +9,24 @@ request in the scheduler.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import hashlib
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from services.frontend.best_of import pick_best
 from services.frontend.config import FrontendConfig
 from services.frontend.generation_defaults import GenerationDefaults
-from services.frontend.limits import check_generate_sizes, check_text, effective_timeout_s
+from services.frontend.limits import check_generate_sizes, check_size, check_text, effective_timeout_s
 from services.frontend.messages import (
     AddRequest,
+    ChatMessage,
+    GenerateChunk,
+    GenerateComplete,
     GenerateEvent,
     GenerateInput,
     ModelCard,
@@ -28,6 +35,7 @@ from services.frontend.messages import (
 )
 from services.frontend.output_processor import OutputProcessor
 from services.frontend.rate_limit import RateLimiter
+from services.frontend.samples import merge, sample_requests, total_usage, with_total_usage
 from services.frontend.telemetry import FrontendTelemetry, RequestTelemetry
 from services.frontend.tokenizer import Tokenizer
 from services.frontend.validation import (
@@ -35,7 +43,9 @@ from services.frontend.validation import (
     check_model,
     check_prompt,
     check_request_id,
+    check_samples,
     check_sampling,
+    check_token_ids,
     resolve_sampling,
 )
 
@@ -54,10 +64,23 @@ class PreparedRequest:
     skip_special_tokens: bool
     telemetry: RequestTelemetry
     deadline: float | None  # event-loop time when it is aborted; None: never
+    n: int = 1  # choices returned
+    num_samples: int = 1  # samples generated: n, or best_of
+    logprobs_wanted: bool = False  # the client asked for logprobs (best_of may request them only to rank)
+    echo_text: str | None = None  # echo: the prompt's text, sent first in each choice
 
     @property
     def request_id(self) -> str:
         return self.add.request_id
+
+
+@dataclass(slots=True)
+class _Sample:
+    """One sample of a request in flight: what was submitted and its output processor."""
+
+    index: int
+    add: AddRequest
+    processor: OutputProcessor
 
 
 class EngineClient:
@@ -72,6 +95,7 @@ class EngineClient:
         self.defaults = defaults or GenerationDefaults()
         self.telemetry = telemetry or FrontendTelemetry(config.served_model_name)
         self.rate_limiter = rate_limiter
+        self.system_fingerprint = _fingerprint(config.served_model_name, config.model)
 
     @property
     def model_name(self) -> str:
@@ -108,12 +132,16 @@ class EngineClient:
                     f"model {self.model_name!r} does not support text generation (task {info.task.name.lower()})"
                 )
             check_sampling(request.sampling, info.vocab_size, limits)
+            check_samples(request.n, request.best_of)
         with telemetry.phase("tokenize"):
             prompt_token_ids = await self._prompt_token_ids(request)
         with telemetry.phase("validate_prompt"):
             check_prompt(prompt_token_ids, info, limits.max_prompt_tokens)
             options = resolve_sampling(request.sampling, len(prompt_token_ids), info, self.defaults,
                                        self.config.default_max_tokens)
+        num_samples = request.best_of or request.n
+        if num_samples > request.n and options.logprobs is None:
+            options = dataclasses.replace(options, logprobs=0)  # best_of ranks candidates by their logprobs
         timeout_s = effective_timeout_s(self.config.request_timeout_s, request.timeout_s)
         add = AddRequest(
             request_id=request.request_id or uuid.uuid4().hex,
@@ -127,39 +155,74 @@ class EngineClient:
         )
         telemetry.accepted(add)
         deadline = asyncio.get_running_loop().time() + timeout_s if timeout_s is not None else None
-        return PreparedRequest(add, tuple(request.sampling.stop), request.skip_special_tokens, telemetry, deadline)
+        echo_text = None
+        if request.echo:
+            echo_text = (request.prompt_text if request.prompt_text is not None
+                         else self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False))
+        return PreparedRequest(add, tuple(request.sampling.stop), request.skip_special_tokens, telemetry, deadline,
+                               n=request.n, num_samples=num_samples,
+                               logprobs_wanted=request.sampling.logprobs is not None, echo_text=echo_text)
 
     async def run(self, prepared: PreparedRequest) -> AsyncIterator[GenerateEvent]:
-        """Submit and stream: a `GenerateChunk` per step with new output, then a `GenerateComplete`."""
-        add, telemetry = prepared.add, prepared.telemetry
-        processor = OutputProcessor(add.request_id, self.tokenizer.decode, self.tokenizer.token_text,
-                                    add.prompt_token_ids, add.sampling, prepared.stop,
-                                    prepared.skip_special_tokens)
-        deadline = prepared.deadline
+        """Submit and stream: `GenerateChunk`s with new output as it comes, and a `GenerateComplete`
+        per choice (its `index`); the last one carries the request's `total_usage`.
+
+        With n > 1 the samples' events interleave; with best_of > n they come only at the end,
+        the n best candidates' in turn.
+        """
+        samples = [
+            _Sample(i, add, OutputProcessor(prepared.request_id, self.tokenizer.decode, self.tokenizer.token_text,
+                                            add.prompt_token_ids, add.sampling, prepared.stop,
+                                            prepared.skip_special_tokens))
+            for i, add in enumerate(sample_requests(prepared.add, prepared.num_samples))
+        ]
+        telemetry = prepared.telemetry
+        events = (self._sample_events(prepared, samples[0]) if len(samples) == 1
+                  else merge([self._sample_events(prepared, s) for s in samples]))
+        events = with_total_usage(events, len(samples))
+        if prepared.num_samples > prepared.n:
+            events = pick_best(events, prepared.n, prepared.logprobs_wanted)
+        completes: list[GenerateComplete] = []
         try:
-            async with self.scheduler.submit(add) as stream:
-                while not processor.is_finished:
-                    try:
-                        async with asyncio.timeout_at(deadline):
-                            updates = await anext(stream)
-                    except TimeoutError:
-                        chunk = processor.abort()
-                    else:
-                        started = time.perf_counter()
-                        chunk = processor.process(updates)
-                        if chunk is not None:
-                            telemetry.on_chunk(chunk, time.perf_counter() - started)
-                    if chunk is not None:
-                        yield chunk
-            complete = processor.complete()
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    if isinstance(event, GenerateComplete):
+                        completes.append(event)
+                        if event.total_usage is not None:  # the last: count it before a caller stops reading
+                            telemetry.finish_with(completes[0].finish_reason.value, event.total_usage)
+                    yield event
         except BaseException as exc:
             # A failed request, or a client that left (GeneratorExit / cancellation): an abort.
             if isinstance(exc, SpindleError):
                 telemetry.fail(exc)
             else:
-                telemetry.finish(processor.abort_complete())
+                usage = total_usage([s.processor.abort_complete().usage for s in samples])
+                telemetry.finish_with("abort", usage)
             raise
-        telemetry.finish(complete)
+
+    async def _sample_events(self, prepared: PreparedRequest, sample: _Sample) -> AsyncIterator[GenerateEvent]:
+        """One sample's events: echo, then a chunk per step with new output, then its complete."""
+        processor, index, telemetry = sample.processor, sample.index, prepared.telemetry
+        if prepared.echo_text is not None:
+            yield GenerateChunk(prepared.request_id, list(sample.add.prompt_token_ids), prepared.echo_text,
+                                index=index, is_prompt=True)
+        async with self.scheduler.submit(sample.add) as stream:
+            while not processor.is_finished:
+                try:
+                    async with asyncio.timeout_at(prepared.deadline):
+                        updates = await anext(stream)
+                except TimeoutError:
+                    chunk = processor.abort()
+                else:
+                    started = time.perf_counter()
+                    chunk = processor.process(updates)
+                    if chunk is not None:
+                        telemetry.on_chunk(chunk, time.perf_counter() - started)
+                if chunk is not None:
+                    chunk.index = index
+                    yield chunk
+        complete = processor.complete()
+        complete.index = index
         yield complete
 
     async def _prompt_token_ids(self, request: GenerateInput) -> list[int]:
@@ -178,6 +241,39 @@ class EngineClient:
         check_text(text, self.config.limits, "text")
         return await self.tokenizer.tokenize(text, add_special_tokens)
 
+    async def tokenize_chat(self, model: str, messages: list[ChatMessage], add_generation_prompt: bool,
+                            ) -> TokenizeResult:
+        """The token ids a chat request with these messages would have as its prompt."""
+        check_model(model, self.model_name)
+        check_generate_sizes(GenerateInput(messages=messages), self.config.limits)
+        if not messages:
+            raise InvalidArgumentError("messages is empty: it must contain at least one message")
+        ids = await self.tokenizer.encode_chat(messages, add_generation_prompt)
+        return TokenizeResult(token_ids=ids, tokens=[self.tokenizer.token_text(i) for i in ids])
+
+    async def detokenize(self, model: str, token_ids: list[int]) -> str:
+        """The text of `token_ids` (special tokens kept, as vLLM's /detokenize does)."""
+        check_model(model, self.model_name)
+        check_size(len(token_ids), self.config.limits.max_prompt_tokens, "tokens length", "max_prompt_tokens")
+        check_token_ids(token_ids, self.tokenizer.vocab_size, "tokens")
+        return await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.decode, token_ids, False)
+
+    async def max_model_len(self) -> int:
+        return (await self.scheduler.get_info()).max_model_len
+
     async def list_models(self) -> list[ModelCard]:
         info: SchedulerInfo = await self.scheduler.get_info()
         return [ModelCard(self.model_name, info.task, info.max_model_len)]
+
+
+def _fingerprint(served_model_name: str, model_dir: str) -> str:
+    """OpenAI's `system_fingerprint`: names the backend configuration that served a response, so a
+    client comparing seeded outputs can tell when the server behind them changed (model, version)."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("spindle")
+    except metadata.PackageNotFoundError:
+        version = "dev"
+    digest = hashlib.sha256(f"{served_model_name}\0{model_dir}\0{version}".encode()).hexdigest()
+    return f"fp_{digest[:10]}"

@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP API (aiohttp): /v1/completions, /v1/chat/completions, /v1/models, /health.
+"""OpenAI-compatible HTTP API (aiohttp): /v1/completions, /v1/chat/completions, /v1/models, /health,
+and vLLM's /tokenize and /detokenize.
 
 Thin like the gRPC servicer: parse (openai_protocol), one EngineClient call, format
 (openai_format). Typed errors become OpenAI-shaped error bodies with the mapped status.
@@ -16,11 +17,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from services.frontend import openai_pooling
+from services.frontend import openai_pooling, openai_tokenize
 from services.frontend.engine_client import EngineClient
 from services.frontend.http_auth import api_key_id, api_key_middleware
-from services.frontend.messages import GenerateChunk, GenerateComplete, GenerateEvent, PositionLogprobs
-from services.frontend.openai_format import ChatFormatter, CompletionFormatter, ResponseFormatter, error_body
+from services.frontend.messages import GenerateChunk, GenerateComplete, GenerateEvent
+from services.frontend.openai_format import (
+    ChatFormatter,
+    Choice,
+    CompletionFormatter,
+    ResponseFormatter,
+    error_body,
+)
 from services.frontend.openai_protocol import Endpoint, OpenAIRequest, parse_chat, parse_completion, read_json
 from services.frontend.pooling import PoolingClient
 from shared.api_keys import ApiKeys
@@ -75,43 +82,50 @@ async def _generate(http_request: web.Request, parsed: OpenAIRequest) -> web.Str
     prepared = await engine.prepare(parsed.input)
     prefix, formatter_class = FORMATTERS[parsed.endpoint]
     formatter = formatter_class(prefix + prepared.request_id, engine.model_name, engine.tokenizer.token_text,
-                                parsed.stream and parsed.include_usage)
+                                parsed.stream and parsed.include_usage, engine.system_fingerprint,
+                                parsed.stream and parsed.continuous_usage, len(prepared.add.prompt_token_ids))
     async with contextlib.aclosing(engine.run(prepared)) as events:
         if parsed.stream:
-            return await _stream(http_request, formatter, events, parsed.include_usage)
-        return await _collect(formatter, events)
+            return await _stream(http_request, formatter, events, parsed.include_usage, prepared.n)
+        return await _collect(formatter, events, prepared.n)
 
 
-async def _collect(formatter: ResponseFormatter, events: AsyncIterator[GenerateEvent]) -> web.Response:
-    texts: list[str] = []
-    logprobs: list[PositionLogprobs] | None = None
+async def _collect(formatter: ResponseFormatter, events: AsyncIterator[GenerateEvent], n: int) -> web.Response:
+    choices = [Choice(i) for i in range(n)]
     async for event in events:
+        choice = choices[event.index]
         if isinstance(event, GenerateComplete):
-            body = formatter.response("".join(texts), logprobs, event)
-            return web.Response(body=_dumps(body), content_type="application/json")
-        texts.append(event.text)
+            choice.complete = event
+            if event.total_usage is not None:  # the last choice to finish
+                body = formatter.response(choices, event.total_usage)
+                return web.Response(body=_dumps(body), content_type="application/json")
+            continue
+        choice.texts.append(event.text)
         if event.logprobs is not None:
-            logprobs = (logprobs or []) + event.logprobs
-    raise AssertionError("a generation ended without GenerateComplete")
+            choice.logprobs = (choice.logprobs or []) + event.logprobs
+    raise AssertionError("a generation ended without its last GenerateComplete")
 
 
 async def _stream(http_request: web.Request, formatter: ResponseFormatter, events: AsyncIterator[GenerateEvent],
-                  include_usage: bool) -> web.StreamResponse:
+                  include_usage: bool, n: int) -> web.StreamResponse:
     # Wait for the first event before answering 200, so a request the scheduler rejects at
     # once still gets its proper status code.
     event = await anext(events)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(http_request)
     try:
-        start = formatter.start_chunk()
-        if start is not None:
+        for start in formatter.start_chunks(n):
             await _send(response, start)
-        while isinstance(event, GenerateChunk):
-            await _send(response, formatter.chunk(event))
+        while True:
+            if isinstance(event, GenerateChunk):
+                await _send(response, formatter.chunk(event))
+            else:
+                await _send(response, formatter.end_chunk(event))
+                if event.total_usage is not None:  # the last choice to finish
+                    if include_usage:
+                        await _send(response, formatter.usage_chunk(event.total_usage))
+                    break
             event = await anext(events)
-        await _send(response, formatter.end_chunk(event))
-        if include_usage:
-            await _send(response, formatter.usage_chunk(event.usage))
     except SpindleError as exc:  # after the 200: report it in the stream, as OpenAI does
         await _send(response, error_body(exc, http_status(exc)))
     await response.write(b"data: [DONE]\n\n")
@@ -149,6 +163,7 @@ def build_app(engine: EngineClient, pooling: PoolingClient, api_keys: ApiKeys | 
     app = web.Application(middlewares=middlewares, client_max_size=engine.config.limits.max_body_bytes)
     app[ENGINE] = engine
     openai_pooling.add_routes(app, pooling)
+    openai_tokenize.add_routes(app, engine)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)

@@ -58,6 +58,7 @@ class AddRequest:
     deadline_unix_s: float = 0.0  # 0: none
     output_token_ids: list[int] = field(default_factory=list)  # already delivered (a re-submission)
     resumed: bool = False  # re-submitted after a reconnect: replaces the scheduler's copy
+    shares_prompt_with: str = ""  # a later sample of an n > 1 request: the first sample's id
 
 
 @dataclass(slots=True)
@@ -100,6 +101,7 @@ class SamplingRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; N: chosen token plus top N
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) as the client sent them
 
 
 @dataclass(slots=True, frozen=True)
@@ -126,6 +128,9 @@ class GenerateInput:
     skip_special_tokens: bool = True  # in the output text
     traceparent: str = ""
     api_key_id: str = ""  # the authenticated key's id (shared/api_keys.py), never the key; "": keys off
+    n: int = 1  # choices to return
+    best_of: int | None = None  # candidates to generate, the n most likely returned; None: n
+    echo: bool = False  # the prompt's text comes first in each choice (an `is_prompt` chunk)
 
 
 @dataclass(slots=True, frozen=True)
@@ -150,6 +155,8 @@ class GenerateChunk:
     token_ids: list[int]
     text: str
     logprobs: list[PositionLogprobs] | None = None  # one per token id, when requested
+    index: int = 0  # the choice (sample) it belongs to
+    is_prompt: bool = False  # echo: the prompt's tokens and text, before any output of the choice
 
 
 @dataclass(slots=True, frozen=True)
@@ -167,6 +174,11 @@ class GenerateComplete:
     finish_reason: FinishReason
     usage: Usage
     matched_stop: str | None = None  # the stop string, or the stop token's text
+    index: int = 0  # the choice (sample) it ends; a request with n choices ends with n of these
+    cumulative_logprob: float | None = None  # sum of the chosen tokens' logprobs, when computed
+    # On the request's last GenerateComplete only: the whole request's usage (the prompt counted
+    # once, every sample's output, best_of candidates not returned included).
+    total_usage: Usage | None = None
 
 
 GenerateEvent = GenerateChunk | GenerateComplete

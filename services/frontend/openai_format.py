@@ -1,6 +1,7 @@
 """OpenAI response bodies: completions and chat, whole and as stream chunks; usage, logprobs, errors.
 
 Pure functions from the frontend's dataclasses to JSON-ready dicts; the HTTP app serialises.
+A request with n choices has one choice per index; stream chunks carry one choice each.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from services.frontend.messages import FinishReason, GenerateChunk, GenerateComplete, PositionLogprobs, Usage
 from shared.errors import ErrorKind, SpindleError
@@ -77,71 +79,105 @@ def _finish(reason: FinishReason | None) -> str | None:
     return None if reason is None else reason.value
 
 
-def completion_choice(text: str, finish: FinishReason | None, logprobs: dict[str, object] | None,
+def completion_choice(index: int, text: str, finish: FinishReason | None, logprobs: dict[str, object] | None,
                       matched_stop: str | None = None) -> dict[str, object]:
-    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": _finish(finish),
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": _finish(finish),
             "stop_reason": matched_stop}
 
 
-def chat_choice(text: str, finish: FinishReason | None, logprobs: dict[str, object] | None,
+def chat_choice(index: int, text: str, finish: FinishReason | None, logprobs: dict[str, object] | None,
                 matched_stop: str | None = None) -> dict[str, object]:
-    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
             "finish_reason": _finish(finish), "stop_reason": matched_stop}
 
 
-def chat_delta_choice(delta: dict[str, str], finish: FinishReason | None,
+def chat_delta_choice(index: int, delta: dict[str, str], finish: FinishReason | None,
                       logprobs: dict[str, object] | None) -> dict[str, object]:
-    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": _finish(finish)}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": _finish(finish)}
 
 
 def envelope(object_name: str, response_id: str, created: int, model: str, choices: list[dict[str, object]],
-             usage: Usage | None = None) -> dict[str, object]:
+             usage: Usage | None = None, system_fingerprint: str | None = None) -> dict[str, object]:
     """The fields every completion / chat (chunk) object has."""
     body: dict[str, object] = {"id": response_id, "object": object_name, "created": created, "model": model,
-                               "choices": choices}
+                               "system_fingerprint": system_fingerprint, "choices": choices}
     if usage is not None:
         body["usage"] = usage_body(usage)
     return body
 
 
+@dataclass(slots=True)
+class Choice:
+    """One choice of a whole (non-streamed) response, gathered from its events."""
+
+    index: int
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    complete: GenerateComplete | None = None
+
+
 class ResponseFormatter(ABC):
-    """Builds one endpoint's response bodies; one instance per request (it tracks offsets)."""
+    """Builds one endpoint's response bodies; one instance per request (it tracks offsets).
+
+    Args:
+        include_usage: stream_options.include_usage: chunks carry "usage": null, a last one the usage.
+        continuous_usage: stream_options.continuous_usage_stats: every chunk carries the usage so far.
+        num_prompt_tokens: the prompt's length, for the usage so far.
+    """
 
     object_name: str
     chunk_object_name: str
 
-    def __init__(self, response_id: str, model: str, token_text: TokenText, include_usage: bool = False) -> None:
+    def __init__(self, response_id: str, model: str, token_text: TokenText, include_usage: bool = False,
+                 system_fingerprint: str | None = None, continuous_usage: bool = False,
+                 num_prompt_tokens: int = 0) -> None:
         self.response_id = response_id
         self.model = model
         self.token_text = token_text
-        self.include_usage = include_usage  # stream chunks carry "usage": null, a last one the usage
+        self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
+        self.system_fingerprint = system_fingerprint
         self.created = int(time.time())
+        self._num_prompt_tokens = num_prompt_tokens
+        self._num_output_tokens = 0  # over every choice, for continuous usage
 
     def _chunk(self, choices: list[dict[str, object]], usage: Usage | None = None) -> dict[str, object]:
-        body = envelope(self.chunk_object_name, self.response_id, self.created, self.model, choices, usage)
+        if usage is None and self.continuous_usage:
+            usage = Usage(self._num_prompt_tokens, self._num_output_tokens)
+        body = envelope(self.chunk_object_name, self.response_id, self.created, self.model, choices, usage,
+                        self.system_fingerprint)
         if self.include_usage and usage is None:
             body["usage"] = None
         return body
+
+    def _whole(self, choices: list[dict[str, object]], usage: Usage) -> dict[str, object]:
+        return envelope(self.object_name, self.response_id, self.created, self.model, choices, usage,
+                        self.system_fingerprint)
 
     def usage_chunk(self, usage: Usage) -> dict[str, object]:
         """The extra last stream chunk of stream_options.include_usage: no choices, the usage."""
         return self._chunk([], usage)
 
-    @abstractmethod
-    def start_chunk(self) -> dict[str, object] | None:
-        """A chunk to send before any output (chat: the assistant role), if the format has one."""
+    def chunk(self, chunk: GenerateChunk) -> dict[str, object]:
+        """One stream chunk with a step's new text for one choice."""
+        if not chunk.is_prompt:
+            self._num_output_tokens += len(chunk.token_ids)
+        return self._chunk([self._chunk_choice(chunk)])
 
     @abstractmethod
-    def chunk(self, chunk: GenerateChunk) -> dict[str, object]:
-        """One stream chunk with a step's new text."""
+    def start_chunks(self, n: int) -> list[dict[str, object]]:
+        """Chunks to send before any output (chat: the assistant role of each choice)."""
+
+    @abstractmethod
+    def _chunk_choice(self, chunk: GenerateChunk) -> dict[str, object]:
+        """The choice of a stream chunk."""
 
     @abstractmethod
     def end_chunk(self, complete: GenerateComplete) -> dict[str, object]:
-        """The stream chunk carrying the finish reason."""
+        """The stream chunk carrying one choice's finish reason."""
 
     @abstractmethod
-    def response(self, text: str, logprobs: list[PositionLogprobs] | None,
-                 complete: GenerateComplete) -> dict[str, object]:
+    def response(self, choices: Sequence[Choice], usage: Usage) -> dict[str, object]:
         """The whole (non-streamed) response."""
 
 
@@ -149,30 +185,35 @@ class CompletionFormatter(ResponseFormatter):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
-    def __init__(self, response_id: str, model: str, token_text: TokenText, include_usage: bool = False) -> None:
-        super().__init__(response_id, model, token_text, include_usage)
-        self._text_offset = 0  # where the next chunk's text starts, for logprobs.text_offset
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._text_offsets: dict[int, int] = {}  # per choice: where its next text starts (logprobs.text_offset)
 
-    def _logprobs(self, positions: list[PositionLogprobs] | None) -> dict[str, object] | None:
+    def _logprobs(self, index: int, positions: list[PositionLogprobs] | None) -> dict[str, object] | None:
         if positions is None:
             return None
-        return completion_logprobs(positions, self.token_text, self._text_offset)
+        return completion_logprobs(positions, self.token_text, self._text_offsets.get(index, 0))
 
-    def start_chunk(self) -> dict[str, object] | None:
-        return None
+    def start_chunks(self, n: int) -> list[dict[str, object]]:
+        return []
 
-    def chunk(self, chunk: GenerateChunk) -> dict[str, object]:
-        logprobs = self._logprobs(chunk.logprobs)
-        self._text_offset += len(chunk.text)
-        return self._chunk([completion_choice(chunk.text, None, logprobs)])
+    def _chunk_choice(self, chunk: GenerateChunk) -> dict[str, object]:
+        logprobs = self._logprobs(chunk.index, chunk.logprobs)
+        self._text_offsets[chunk.index] = self._text_offsets.get(chunk.index, 0) + len(chunk.text)
+        return completion_choice(chunk.index, chunk.text, None, logprobs)
 
     def end_chunk(self, complete: GenerateComplete) -> dict[str, object]:
-        return self._chunk([completion_choice("", complete.finish_reason, None, complete.matched_stop)])
+        return self._chunk([completion_choice(complete.index, "", complete.finish_reason, None,
+                                              complete.matched_stop)])
 
-    def response(self, text: str, logprobs: list[PositionLogprobs] | None,
-                 complete: GenerateComplete) -> dict[str, object]:
-        choice = completion_choice(text, complete.finish_reason, self._logprobs(logprobs), complete.matched_stop)
-        return envelope(self.object_name, self.response_id, self.created, self.model, [choice], complete.usage)
+    def response(self, choices: Sequence[Choice], usage: Usage) -> dict[str, object]:
+        bodies = []
+        for choice in choices:
+            assert choice.complete is not None
+            bodies.append(completion_choice(choice.index, "".join(choice.texts), choice.complete.finish_reason,
+                                            self._logprobs(choice.index, choice.logprobs),
+                                            choice.complete.matched_stop))
+        return self._whole(bodies, usage)
 
 
 class ChatFormatter(ResponseFormatter):
@@ -182,16 +223,20 @@ class ChatFormatter(ResponseFormatter):
     def _logprobs(self, positions: list[PositionLogprobs] | None) -> dict[str, object] | None:
         return None if positions is None else chat_logprobs(positions, self.token_text)
 
-    def start_chunk(self) -> dict[str, object] | None:
-        return self._chunk([chat_delta_choice({"role": "assistant", "content": ""}, None, None)])
+    def start_chunks(self, n: int) -> list[dict[str, object]]:
+        return [self._chunk([chat_delta_choice(i, {"role": "assistant", "content": ""}, None, None)])
+                for i in range(n)]
 
-    def chunk(self, chunk: GenerateChunk) -> dict[str, object]:
-        return self._chunk([chat_delta_choice({"content": chunk.text}, None, self._logprobs(chunk.logprobs))])
+    def _chunk_choice(self, chunk: GenerateChunk) -> dict[str, object]:
+        return chat_delta_choice(chunk.index, {"content": chunk.text}, None, self._logprobs(chunk.logprobs))
 
     def end_chunk(self, complete: GenerateComplete) -> dict[str, object]:
-        return self._chunk([chat_delta_choice({}, complete.finish_reason, None)])
+        return self._chunk([chat_delta_choice(complete.index, {}, complete.finish_reason, None)])
 
-    def response(self, text: str, logprobs: list[PositionLogprobs] | None,
-                 complete: GenerateComplete) -> dict[str, object]:
-        choice = chat_choice(text, complete.finish_reason, self._logprobs(logprobs), complete.matched_stop)
-        return envelope(self.object_name, self.response_id, self.created, self.model, [choice], complete.usage)
+    def response(self, choices: Sequence[Choice], usage: Usage) -> dict[str, object]:
+        bodies = []
+        for choice in choices:
+            assert choice.complete is not None
+            bodies.append(chat_choice(choice.index, "".join(choice.texts), choice.complete.finish_reason,
+                                      self._logprobs(choice.logprobs), choice.complete.matched_stop))
+        return self._whole(bodies, usage)

@@ -2,7 +2,7 @@
 
 Checks JSON types field by field (a wrong type is a 400 naming the field), maps OpenAI and
 vLLM-style extra fields onto `SamplingRequest`, and rejects features spindle does not serve
-(n > 1, echo, best_of, logit_bias, tools, ...) with a clear message instead of ignoring them.
+(suffix, echo with logprobs, tools, ...) with a clear message instead of ignoring them.
 Range checks are `validation.py`'s job. Unknown fields are ignored, as OpenAI clients send many.
 Whatever the body holds, parsing fails only with a 400: bytes that are not UTF-8, lone
 surrogates (`"\\ud800"`, which no tokenizer or encoder accepts), nesting deeper than the
@@ -40,6 +40,7 @@ class OpenAIRequest:
     input: GenerateInput
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far in every chunk
 
 
 async def read_json(request: web.Request) -> object:
@@ -185,6 +186,26 @@ def is_int_list(value: object) -> bool:
     return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
 
 
+def _logit_bias(body: JsonObject) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} map as (id, bias) pairs; ranges are validation's job."""
+    raw = body.raw("logit_bias")
+    if raw is None:
+        return ()
+    entries = JsonObject(raw, "logit_bias")
+    pairs = []
+    for key in raw:  # type: ignore[union-attr]
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise InvalidArgumentError(f"logit_bias keys must be token ids (integers as strings), got "
+                                       f"{quote(key)}") from None
+        bias = entries.get_float(key)
+        if bias is None:
+            raise InvalidArgumentError(f"logit_bias.{key} must be a number, got null")
+        pairs.append((token_id, bias))
+    return tuple(pairs)
+
+
 def _sampling(body: JsonObject, max_tokens: int | None, logprobs: int | None) -> SamplingRequest:
     """The sampling fields both endpoints share (OpenAI's plus vLLM-style extras)."""
     return SamplingRequest(
@@ -202,30 +223,34 @@ def _sampling(body: JsonObject, max_tokens: int | None, logprobs: int | None) ->
         stop_token_ids=tuple(body.int_list("stop_token_ids") or ()),
         ignore_eos=body.get_bool("ignore_eos"),
         logprobs=logprobs,
+        logit_bias=_logit_bias(body),
     )
 
 
-def _common(body: JsonObject) -> tuple[bool, bool]:
-    """Checks both endpoints share; returns (stream, include_usage)."""
+def _common(body: JsonObject, endpoint: Endpoint, generate: GenerateInput) -> OpenAIRequest:
+    """The fields both endpoints share: n, stream and stream_options."""
     n = body.get_int("n")
-    if n is not None and n != 1:
-        raise InvalidArgumentError(f"n={show_number(n)}: n > 1 is not supported; send separate requests")
-    body.reject_if("logit_bias", bool(body.raw("logit_bias")), "logit_bias is not supported")
+    generate.n = 1 if n is None else n
     stream = body.get_bool("stream")
-    options = body.raw("stream_options")
-    include_usage = JsonObject(options, "stream_options").get_bool("include_usage") if options is not None else False
-    return stream, include_usage
+    raw_options = body.raw("stream_options")
+    options = JsonObject(raw_options, "stream_options") if raw_options is not None else None
+    if options is not None and not stream:
+        raise InvalidArgumentError("stream_options is only allowed when stream is true")
+    include_usage = options.get_bool("include_usage") if options is not None else False
+    continuous = options.get_bool("continuous_usage_stats") if options is not None else False
+    return OpenAIRequest(endpoint, generate, stream, include_usage, continuous)
 
 
 def parse_completion(data: object) -> OpenAIRequest:
     """A /v1/completions body. The prompt is a string or a list of token ids (one prompt only)."""
     body = JsonObject(data)
-    stream, include_usage = _common(body)
-    body.reject_if("echo", body.get_bool("echo"), "echo is not supported")
-    best_of = body.get_int("best_of")
-    body.reject_if("best_of", best_of is not None and best_of != 1,
-                   f"best_of={show_number(best_of or 0)}: only 1 is supported")
-    body.reject_if("suffix", bool(body.get_str("suffix")), "suffix is not supported")
+    echo = body.get_bool("echo")
+    logprobs = body.get_int("logprobs")
+    body.reject_if("echo", echo and logprobs is not None,
+                   "echo with logprobs is not supported: it returns the prompt's log-probabilities, which "
+                   "spindle does not compute; send echo without logprobs, or logprobs without echo")
+    body.reject_if("suffix", bool(body.get_str("suffix")),
+                   "suffix is not supported: the served model has no fill-in-the-middle (insertion) mode")
     prompt = body.raw("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -239,18 +264,23 @@ def parse_completion(data: object) -> OpenAIRequest:
         model=body.get_str("model") or "",
         prompt_text=prompt if isinstance(prompt, str) else None,
         prompt_token_ids=None if isinstance(prompt, str) else prompt,  # type: ignore[arg-type]
-        sampling=_sampling(body, body.get_int("max_tokens"), body.get_int("logprobs")),
+        sampling=_sampling(body, body.get_int("max_tokens"), logprobs),
         skip_special_tokens=body.get_bool("skip_special_tokens", default=True),
         add_special_tokens=body.get_bool("add_special_tokens", default=True),
         priority=body.get_int("priority") or 0,
+        best_of=body.get_int("best_of"),
+        echo=echo,
     )
-    return OpenAIRequest(Endpoint.COMPLETIONS, generate, stream, include_usage)
+    parsed = _common(body, Endpoint.COMPLETIONS, generate)
+    if parsed.stream and generate.best_of is not None and generate.best_of != generate.n:
+        raise InvalidArgumentError(f"best_of={show_number(generate.best_of)} with n={show_number(generate.n)} cannot "
+                                   "be streamed: the best candidates are known only when all have finished")
+    return parsed
 
 
 def parse_chat(data: object) -> OpenAIRequest:
     """A /v1/chat/completions body with text messages."""
     body = JsonObject(data)
-    stream, include_usage = _common(body)
     body.reject_if("tools", bool(body.raw("tools")), "tools (function calling) are not supported")
     response_format = body.raw("response_format")
     if response_format is not None:
@@ -260,23 +290,35 @@ def parse_chat(data: object) -> OpenAIRequest:
     raw_messages = body.raw("messages")
     if not isinstance(raw_messages, list):
         raise InvalidArgumentError(f"messages must be a list of messages, got {type_name(raw_messages)}")
-    max_tokens = body.get_int("max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = body.get_int("max_tokens")
+    max_tokens = _max_completion_tokens(body)
     logprobs = (body.get_int("top_logprobs") or 0) if body.get_bool("logprobs") else None
     body.reject_if("top_logprobs", logprobs is None and body.get_int("top_logprobs") is not None,
                    "top_logprobs requires logprobs to be true")
     generate = GenerateInput(
         model=body.get_str("model") or "",
-        messages=[_message(m, i) for i, m in enumerate(raw_messages)],
+        messages=[parse_message(m, i) for i, m in enumerate(raw_messages)],
         sampling=_sampling(body, max_tokens, logprobs),
         skip_special_tokens=body.get_bool("skip_special_tokens", default=True),
         priority=body.get_int("priority") or 0,
     )
-    return OpenAIRequest(Endpoint.CHAT, generate, stream, include_usage)
+    return _common(body, Endpoint.CHAT, generate)
 
 
-def _message(value: object, index: int) -> ChatMessage:
+def _max_completion_tokens(body: JsonObject) -> int | None:
+    """Chat's output limit: max_completion_tokens, or the older max_tokens it replaces (an alias).
+
+    Both given and equal is fine; both given and different is a 400, since silently obeying
+    one would hide a client bug.
+    """
+    new, old = body.get_int("max_completion_tokens"), body.get_int("max_tokens")
+    if new is not None and old is not None and new != old:
+        raise InvalidArgumentError(f"max_completion_tokens={show_number(new)} and max_tokens={show_number(old)} "
+                                   "disagree: send only max_completion_tokens (max_tokens is its deprecated alias)")
+    return new if new is not None else old
+
+
+def parse_message(value: object, index: int) -> ChatMessage:
+    """messages[index] of a chat body (text parts only)."""
     where = f"messages[{index}]"
     message = JsonObject(value, where)
     role = message.get_str("role")

@@ -57,6 +57,8 @@ class OutputProcessor:
         self.num_output_tokens = 0
         self.finish_reason: FinishReason | None = None
         self.matched_stop: str | None = None
+        # Sum of the chosen tokens' logprobs (when the request has logprobs): best_of ranks by it.
+        self.cumulative_logprob: float | None = 0.0 if options.logprobs is not None else None
 
     @property
     def is_finished(self) -> bool:
@@ -100,6 +102,8 @@ class OutputProcessor:
         if self._stops.matched is not None:
             self.finish_reason = FinishReason.STOP
             self.matched_stop = self._stops.matched
+        if self.cumulative_logprob is not None:
+            self.cumulative_logprob += sum(p.chosen.logprob for p in logprobs)
         if not token_ids and not text:
             return None
         return GenerateChunk(self.request_id, token_ids, text, logprobs if self._options.logprobs is not None
@@ -124,6 +128,7 @@ class OutputProcessor:
             finish_reason=self.finish_reason,
             usage=Usage(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens),
             matched_stop=self.matched_stop,
+            cumulative_logprob=self.cumulative_logprob,
         )
 
     def _flush(self, can_match: bool = True) -> str:

@@ -39,12 +39,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 if isinstance(event, GenerateChunk):
                     yield wire.chunk_to_proto(event)
                 else:
-                    yield wire.complete_to_proto(event)
+                    yield wire.complete_to_proto(event, self._engine.system_fingerprint)
 
     async def Tokenize(self, request: generation_pb2.TokenizeRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> generation_pb2.TokenizeResponse:
         result = await self._engine.tokenize(request.model, request.text, request.add_special_tokens)
-        return wire.tokenize_to_proto(result)
+        return wire.tokenize_to_proto(result, await self._engine.max_model_len())
+
+    async def Detokenize(self, request: generation_pb2.DetokenizeRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> generation_pb2.DetokenizeResponse:
+        text = await self._engine.detokenize(request.model, list(request.token_ids))
+        return generation_pb2.DetokenizeResponse(text=text)
 
     async def ListModels(self, request: generation_pb2.ListModelsRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> generation_pb2.ListModelsResponse:

@@ -53,14 +53,20 @@ class Tokenizer:
         """Token ids of `text` (with BOS etc. when `add_special_tokens`)."""
         return await self._run(functools.partial(self._encode, text, add_special_tokens))
 
-    def _render_chat(self, messages: list[ChatMessage]) -> str:
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer can decode (the model's embedding table may be padded beyond them)."""
+        return len(self.hf)
+
+    def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
         conversation = [{"role": m.role, "content": m.content} for m in messages]
         try:
-            return str(self.hf.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True))
+            return str(self.hf.apply_chat_template(conversation, tokenize=False,
+                                                   add_generation_prompt=add_generation_prompt))
         except Exception as exc:  # jinja2 errors raised by the template itself (e.g. role order)
             raise InvalidArgumentError(f"messages: the chat template rejected them: {exc}") from exc
 
-    async def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+    async def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         """Apply the model's chat template (with the generation prompt) and tokenize the result.
 
         The rendered template already holds the special tokens (BOS), so none are added again.
@@ -70,7 +76,7 @@ class Tokenizer:
                 "this model has no chat template, so chat requests are not supported; "
                 "use /v1/completions with a prompt instead"
             )
-        text = await self._run(functools.partial(self._render_chat, messages))
+        text = await self._run(functools.partial(self._render_chat, messages, add_generation_prompt))
         return await self.encode(text, add_special_tokens=False)
 
     def _encode_batch(self, texts: list[str] | list[tuple[str, str]], max_length: int | None) -> list[Encoded]:

@@ -29,6 +29,10 @@ MAX_SEED = 2**64 - 1  # uint64
 MIN_INT32 = -(2**31)
 MAX_INT32 = 2**31 - 1
 MAX_REQUEST_ID_CHARS = 256
+# Most choices (n, best_of) per request: each is a sequence of its own in the batch.
+MAX_SAMPLES = 128
+# Most logit_bias entries per request (each is a scatter on every step's logits).
+MAX_LOGIT_BIAS_ENTRIES = 1024
 _QUOTE_CHARS = 64
 
 
@@ -90,6 +94,7 @@ SAMPLING_RANGES: dict[str, Range] = {
     "seed": Range(0, MAX_SEED),
 }
 INT32 = Range(MIN_INT32, MAX_INT32)
+LOGIT_BIAS = Range(-100.0, 100.0)
 
 
 def quote(text: str) -> str:
@@ -127,6 +132,33 @@ def check_sampling(sampling: SamplingRequest, vocab_size: int, limits: RequestLi
         if not stop:
             raise InvalidArgumentError(f"stop[{i}] is an empty string; stop strings must not be empty")
     check_token_ids(sampling.stop_token_ids, vocab_size, "stop_token_ids")
+    check_logit_bias(sampling.logit_bias, vocab_size)
+
+
+def check_logit_bias(logit_bias: Sequence[tuple[int, float]], vocab_size: int) -> None:
+    """Each entry a token id of the vocabulary, with a bias in [-100, 100] (OpenAI's range)."""
+    if len(logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidArgumentError(f"logit_bias has {len(logit_bias)} entries, more than the limit of "
+                                   f"{MAX_LOGIT_BIAS_ENTRIES}")
+    seen: set[int] = set()
+    for token_id, bias in logit_bias:
+        if not 0 <= token_id < vocab_size:
+            raise InvalidArgumentError(f"logit_bias: {show_number(token_id)} is not a valid token id: must be in "
+                                       f"[0, {vocab_size})")
+        if token_id in seen:
+            raise InvalidArgumentError(f"logit_bias: token id {token_id} is given twice")
+        seen.add(token_id)
+        LOGIT_BIAS.check(bias, f"logit_bias[{token_id}]")
+
+
+def check_samples(n: int, best_of: int | None) -> None:
+    """n choices out of best_of candidates (best_of >= n), each at most MAX_SAMPLES."""
+    Range(1, MAX_SAMPLES).check(n, "n")
+    if best_of is not None:
+        Range(1, MAX_SAMPLES).check(best_of, "best_of")
+        if best_of < n:
+            raise InvalidArgumentError(f"best_of={best_of} must be at least n={n}: it is the number of candidates "
+                                       "the n choices are picked from")
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, field: str) -> None:
@@ -187,6 +219,7 @@ def resolve_sampling(sampling: SamplingRequest, num_prompt_tokens: int, info: Sc
         stop_token_ids=tuple(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos,
         logprobs=sampling.logprobs,
+        logit_bias=tuple(sorted(sampling.logit_bias)),
     )
 
 

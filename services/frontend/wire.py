@@ -45,6 +45,7 @@ def add_request_to_proto(r: AddRequest) -> scheduler_pb2.AddRequest:
         deadline_unix_s=r.deadline_unix_s,
         output_token_ids=r.output_token_ids,
         resumed=r.resumed,
+        shares_prompt_with=r.shares_prompt_with,
     )
 
 
@@ -129,6 +130,7 @@ def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingRequest:
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        logit_bias=tuple(msg.logit_bias.items()),
     )
 
 
@@ -141,11 +143,14 @@ def generate_input_from_proto(msg: generation_pb2.GenerateRequest) -> GenerateIn
         sampling=sampling_from_proto(msg.sampling),
         priority=msg.priority,
         request_id=msg.request_id,
+        n=msg.n or 1,
+        echo=msg.echo,
     )
 
 
 def chunk_to_proto(chunk: GenerateChunk) -> generation_pb2.GenerateResponse:
-    out = generation_pb2.GenerateChunk(token_ids=chunk.token_ids, text=chunk.text)
+    out = generation_pb2.GenerateChunk(token_ids=chunk.token_ids, text=chunk.text, index=chunk.index,
+                                       is_prompt=chunk.is_prompt)
     for position in chunk.logprobs or ():
         entry = out.logprobs.add()
         entry.chosen.token_id = position.chosen.token_id
@@ -155,19 +160,22 @@ def chunk_to_proto(chunk: GenerateChunk) -> generation_pb2.GenerateResponse:
     return generation_pb2.GenerateResponse(request_id=chunk.request_id, chunk=out)
 
 
-def complete_to_proto(complete: GenerateComplete) -> generation_pb2.GenerateResponse:
-    return generation_pb2.GenerateResponse(
-        request_id=complete.request_id,
-        complete=generation_pb2.GenerateComplete(
-            finish_reason=FINISH_REASONS[complete.finish_reason],
-            usage=_usage_to_proto(complete.usage),
-            matched_stop=complete.matched_stop or "",
-        ),
+def complete_to_proto(complete: GenerateComplete, system_fingerprint: str = "") -> generation_pb2.GenerateResponse:
+    msg = generation_pb2.GenerateComplete(
+        finish_reason=FINISH_REASONS[complete.finish_reason],
+        usage=_usage_to_proto(complete.usage),
+        matched_stop=complete.matched_stop or "",
+        index=complete.index,
+        system_fingerprint=system_fingerprint,
     )
+    if complete.total_usage is not None:
+        msg.total_usage.CopyFrom(_usage_to_proto(complete.total_usage))
+    return generation_pb2.GenerateResponse(request_id=complete.request_id, complete=msg)
 
 
-def tokenize_to_proto(result: TokenizeResult) -> generation_pb2.TokenizeResponse:
-    return generation_pb2.TokenizeResponse(token_ids=result.token_ids, tokens=result.tokens)
+def tokenize_to_proto(result: TokenizeResult, max_model_len: int = 0) -> generation_pb2.TokenizeResponse:
+    return generation_pb2.TokenizeResponse(token_ids=result.token_ids, tokens=result.tokens,
+                                           max_model_len=max_model_len)
 
 
 def models_to_proto(cards: Sequence[ModelCard]) -> generation_pb2.ListModelsResponse:
