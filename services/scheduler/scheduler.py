@@ -17,6 +17,12 @@ from collections.abc import Sequence
 
 from services.scheduler.backpressure import queue_full_error
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.encoder_budget import (
+    EncoderBudget,
+    check_worker_capacity,
+    derive_encoder_budget,
+    mm_items_error,
+)
 from services.scheduler.info import SchedulerInfo, SchedulerStats
 from services.scheduler.observer import RequestObserver
 from services.scheduler.output_processor import OutputProcessor
@@ -56,7 +62,9 @@ class Scheduler:
         self.task = first.task
         self.model_id = first.model_id
         self.max_model_len = min(info.max_model_len for info in worker_infos)
-        self.workers = [WorkerState(i, addresses[i], info, config.enable_prefix_caching, observer)
+        self.encoder_budget = self._encoder_budget(config, worker_infos, addresses)
+        self.workers = [WorkerState(i, addresses[i], info, config.enable_prefix_caching, observer,
+                                    self.encoder_budget)
                         for i, info in enumerate(worker_infos)]
         self._observer = observer
         self._homeless: list[Request] = []  # requests waiting for any worker to be alive
@@ -263,12 +271,15 @@ class Scheduler:
     def _prompt_leader(self, request: Request) -> Request | None:
         """The group's first sample to hold `request` for, or None to queue it at once.
 
-        Held only while sharing can work: prefix caching on, and the first sample live on a
+        Held only while sharing can work: prefix caching on, a prompt of at least one full
+        block before its last token, and the first sample live on a
         worker, from the same frontend, and not yet sampling (else its prompt is cached already,
         or will not be, and the placement by prefix hit does the rest).
         """
         if not request.shares_prompt_with or not self.config.enable_prefix_caching:
             return None
+        if (request.num_tokens - 1) // self.workers[0].info.block_size == 0:
+            return None  # no full block to share: waiting would only delay it
         leader = self.requests.get(request.shares_prompt_with)
         if (leader is None or leader.worker_index is None or leader.connection_id != request.connection_id
                 or leader.num_output_tokens > 0
@@ -283,9 +294,28 @@ class Scheduler:
         capacity = min(info.num_kv_blocks * info.block_size for info in infos)
         return min(self.max_model_len, capacity - (self.config.num_scheduler_steps - 1))
 
+    @staticmethod
+    def _encoder_budget(config: SchedulerConfig, infos: Sequence[WorkerInfo],
+                        addresses: Sequence[str]) -> EncoderBudget | None:
+        """Vision-language models: the budget seed 003 derives, checked against every worker."""
+        tokens_per_item = infos[0].mm_tokens_per_item
+        if tokens_per_item <= 0:
+            return None
+        budget = derive_encoder_budget(tokens_per_item, config.max_num_batched_tokens, config.max_num_seqs,
+                                       config.limit_mm_per_prompt)
+        for info, address in zip(infos, addresses, strict=True):
+            check_worker_capacity(budget, info.encoder_cache_tokens, address)
+        logger.info("encoder budget: %d tokens per round, %d cached (%d images of %d tokens)",
+                    budget.compute_tokens, budget.cache_tokens, budget.max_items_cached, tokens_per_item)
+        return budget
+
     def _validate(self, request: Request) -> RequestError | None:
         def invalid(message: str) -> RequestError:
             return RequestError(ErrorKind.INVALID_ARGUMENT, message)
+
+        if (mm_error := mm_items_error(request.mm_items, request.num_prompt_tokens, self.encoder_budget,
+                                       self.config.limit_mm_per_prompt)) is not None:
+            return invalid(mm_error)
 
         if request.request_id in self.requests:
             return invalid(f"request_id={request.request_id!r} is already in use")

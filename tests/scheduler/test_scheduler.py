@@ -408,6 +408,11 @@ def test_samples_are_not_held_without_prefix_caching_or_once_the_first_is_gone()
     sched.add_request(s2, sink)  # its first sample is gone: queued at once
     assert [n.request_id for n in sched.schedule()[0].new_requests] == ["s1", "s2"]
 
+    sched, _ = _make(block_size=4)
+    for request in _group([5, 6, 7, 8], 2):  # no full block before the last token: nothing to share
+        sched.add_request(request, sink)
+    assert [n.request_id for n in sched.schedule()[0].new_requests] == ["s0", "s1"]
+
 
 def test_abort_of_a_held_sample_frees_it() -> None:
     sched, _ = _make()
