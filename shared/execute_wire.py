@@ -9,6 +9,7 @@ from __future__ import annotations
 from shared.execute import (
     CachedRequestData,
     ExecuteRound,
+    MultiModalItem,
     NewRequestData,
     PoolingRequestData,
     StepOutput,
@@ -60,6 +61,15 @@ def sampling_from_proto(msg: common_pb2.SamplingOptions) -> SamplingOptions:
     )
 
 
+def mm_item_to_proto(item: MultiModalItem) -> common_pb2.MultiModalItem:
+    return common_pb2.MultiModalItem(hash=item.hash, offset=item.offset, length=item.length,
+                                     pixel_values=item.pixel_values, shape=item.shape)
+
+
+def mm_item_from_proto(msg: common_pb2.MultiModalItem) -> MultiModalItem:
+    return MultiModalItem(msg.hash, msg.offset, msg.length, msg.pixel_values, tuple(msg.shape))
+
+
 def round_to_proto(r: ExecuteRound) -> worker_pb2.ExecuteRequest:
     cached = r.cached_requests
     return worker_pb2.ExecuteRequest(
@@ -74,6 +84,7 @@ def round_to_proto(r: ExecuteRound) -> worker_pb2.ExecuteRequest:
                 block_ids=n.block_ids,
                 sampling=sampling_to_proto(n.sampling),
                 traceparent=n.traceparent,
+                mm_items=[mm_item_to_proto(item) for item in n.mm_items],
             )
             for n in r.new_requests
         ],
@@ -95,6 +106,8 @@ def round_to_proto(r: ExecuteRound) -> worker_pb2.ExecuteRequest:
             )
             for p in r.pooling_requests
         ],
+        encoder_free_hashes=r.encoder_free_hashes,
+        encoder_hashes=r.encoder_hashes,
     )
 
 
@@ -118,6 +131,7 @@ def round_from_proto(msg: worker_pb2.ExecuteRequest) -> ExecuteRound:
                 block_ids=list(n.block_ids),
                 sampling=sampling_from_proto(n.sampling),
                 traceparent=n.traceparent,
+                mm_items=[mm_item_from_proto(item) for item in n.mm_items],
             )
             for n in msg.new_requests
         ],
@@ -135,6 +149,8 @@ def round_from_proto(msg: worker_pb2.ExecuteRequest) -> ExecuteRound:
             )
             for p in msg.pooling_requests
         ],
+        encoder_free_hashes=list(msg.encoder_free_hashes),
+        encoder_hashes=list(msg.encoder_hashes),
     )
 
 
@@ -181,6 +197,8 @@ def worker_info_to_proto(info: WorkerInfo) -> worker_pb2.GetWorkerInfoResponse:
         dtype=info.dtype,
         device=info.device,
         pooled_size=info.pooled_size,
+        mm_tokens_per_item=info.mm_tokens_per_item,
+        encoder_cache_tokens=info.encoder_cache_tokens,
     )
 
 
@@ -197,4 +215,6 @@ def worker_info_from_proto(msg: worker_pb2.GetWorkerInfoResponse) -> WorkerInfo:
         dtype=msg.dtype,
         device=msg.device,
         pooled_size=msg.pooled_size,
+        mm_tokens_per_item=msg.mm_tokens_per_item,
+        encoder_cache_tokens=msg.encoder_cache_tokens,
     )

@@ -64,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          "most requests waiting for admission; past it new ones are refused (RESOURCE_EXHAUSTED, HTTP 429)"),
         ("--max-waiting-tokens", "MAX_WAITING_TOKENS", defaults.max_waiting_tokens,
          "most prompt tokens waiting for admission; past it new requests are refused"),
+        ("--limit-mm-per-prompt", "LIMIT_MM_PER_PROMPT", defaults.limit_mm_per_prompt,
+         "most images per request (vision-language models); sizes the encoder-cache budget"),
     ):
         parser.add_argument(flag, type=int, default=int(_env(env, str(default))), help=f"{help_text} [SPINDLE_{env}]")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -112,6 +114,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         pipeline_quiet_rounds=args.pipeline_quiet_rounds,
         max_waiting_requests=args.max_waiting_requests,
         max_waiting_tokens=args.max_waiting_tokens,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
         worker_ready_timeout_s=args.worker_ready_timeout_s,
         stats_interval_s=args.stats_interval_s,
         metrics_port=metrics_port_from_args(args),

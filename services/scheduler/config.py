@@ -36,6 +36,8 @@ class SchedulerConfig:
             it a new request is refused with RESOURCE_EXHAUSTED.
         max_waiting_tokens: most tokens the waiting requests will prefill; past it a new request
             is refused with RESOURCE_EXHAUSTED (an empty queue takes any request).
+        limit_mm_per_prompt: most images in one request (vision-language models); it also sizes
+            the encoder-cache budget (encoder_budget.py), so the frontend enforces it too.
         metrics_port: port of the Prometheus /metrics endpoint (None: off; 0: a free port).
         internal_tls: mutual TLS for the SchedulerService and the channels to the workers; None: plaintext.
         max_worker_failures: a request that was on this many failing workers fails alone (it may
@@ -60,6 +62,7 @@ class SchedulerConfig:
     stats_interval_s: float = 10.0
     max_waiting_requests: int = 4096
     max_waiting_tokens: int = 2**21
+    limit_mm_per_prompt: int = 4
     metrics_port: int | None = None
     internal_tls: TlsFiles | None = None
     max_worker_failures: int = 3
@@ -71,7 +74,8 @@ class SchedulerConfig:
         if not self.worker_addresses:
             raise ValueError(f"{self.worker_addresses=} must name at least one worker")
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps",
-                     "max_inflight_rounds", "max_waiting_requests", "max_waiting_tokens"):
+                     "max_inflight_rounds", "max_waiting_requests", "max_waiting_tokens",
+                     "limit_mm_per_prompt"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")

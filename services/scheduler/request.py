@@ -6,11 +6,13 @@ never touches KV blocks (kv_block_manager.py holds the block tables).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.execute import MultiModalItem
 from shared.sampling import SamplingOptions
 from shared.types import RequestKind, StopReason
 
@@ -37,7 +39,7 @@ _DURABLE_FIELDS = (
     "request_id", "kind", "prompt_token_ids", "output_token_ids", "sampling", "priority",
     "arrival_seq", "status", "num_computed_tokens", "num_cached_tokens", "worker_index",
     "connection_id", "traceparent", "deadline_unix_s", "cache_salts", "token_type_ids",
-    "num_preemptions", "stop_reason",
+    "num_preemptions", "stop_reason", "mm_items",
 )
 
 
@@ -64,7 +66,8 @@ class Request:
     connection_id: int = 0  # the frontend stream that owns it
     traceparent: str = ""
     deadline_unix_s: float = 0.0  # 0 means none
-    cache_salts: tuple[str, ...] = ()  # extra prefix-cache keys (multimodal item hashes)
+    cache_salts: tuple[str, ...] = ()  # extra prefix-cache keys of the whole chain (salts)
+    mm_items: tuple[MultiModalItem, ...] = ()  # images, sorted by offset, ranges disjoint
     token_type_ids: list[int] = field(default_factory=list)  # cross-encoder segments
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -148,6 +151,8 @@ class Request:
                 value = None if value is None else int(value)
             elif name == "status":
                 value = value.value
+            elif name == "mm_items":
+                value = [_item_to_dict(item) for item in value]
             elif isinstance(value, (list, tuple)):
                 value = list(value)
             out[name] = value
@@ -176,6 +181,7 @@ class Request:
             traceparent=data["traceparent"],
             deadline_unix_s=data["deadline_unix_s"],
             cache_salts=tuple(data["cache_salts"]),
+            mm_items=tuple(_item_from_dict(item) for item in data.get("mm_items", ())),
             token_type_ids=list(data["token_type_ids"]),
             output_token_ids=list(data["output_token_ids"]),
             status=RequestStatus(data["status"]),
@@ -185,3 +191,14 @@ class Request:
             num_preemptions=data["num_preemptions"],
             stop_reason=None if stop_reason is None else StopReason(stop_reason),
         )
+
+
+def _item_to_dict(item: MultiModalItem) -> dict[str, Any]:
+    """Plain data for the journal (pixels as base64 text)."""
+    return {"hash": item.hash, "offset": item.offset, "length": item.length,
+            "pixel_values": base64.b64encode(item.pixel_values).decode(), "shape": list(item.shape)}
+
+
+def _item_from_dict(data: dict[str, Any]) -> MultiModalItem:
+    return MultiModalItem(data["hash"], data["offset"], data["length"], base64.b64decode(data["pixel_values"]),
+                          tuple(data["shape"]))

@@ -58,6 +58,18 @@ class _Plan:
                                           config.enable_priority_preemption)
         self.entries: dict[str, _Entry] = {}
         self.preempted = False
+        self.encoder = ws.encoder
+        self.encoder_round = ws.encoder.begin_round() if ws.encoder is not None else None
+
+    def _fit_encoder(self, request: Request, start: int, num_tokens: int) -> int:
+        """Tokens of the chunk whose images fit the encoder budget (the chunk, for text-only requests)."""
+        if self.encoder is None or self.encoder_round is None or not request.mm_items:
+            return num_tokens
+        return self.encoder.fit(self.encoder_round, request, start, num_tokens)
+
+    def _undo_encoder(self, request: Request) -> None:
+        if self.encoder_round is not None:
+            self.encoder_round.undo(request.request_id)
 
     def schedule_running(self) -> None:
         kv, ws, entries = self.kv, self.ws, self.entries
@@ -75,6 +87,9 @@ class _Plan:
             remaining = num_known - request.num_computed_tokens
             assert remaining >= 1, f"{request.request_id}: nothing left to compute"
             num_tokens = remaining if remaining <= self.budget else self.budget
+            if request.mm_items and (num_tokens := self._fit_encoder(
+                    request, request.num_computed_tokens, num_tokens)) == 0:
+                continue  # its next image fits the encoder budget in a later round
             samples = num_tokens == remaining
             lookahead = self.num_steps - 1 if samples else 0
             while (new_blocks := kv.allocate_slots(request, num_tokens, lookahead)) is None:
@@ -98,17 +113,24 @@ class _Plan:
             if multi_step and request.num_tokens + self.num_steps - 1 > self.max_model_len:
                 return  # its lookahead would pass the context: it goes in a shorter round
             while True:
+                self._undo_encoder(request)  # a retry plans its images again
                 computed, num_hit = kv.get_computed_blocks(request)
                 remaining = request.num_tokens - num_hit
                 if multi_step and remaining > self.budget:
                     return  # multi-step rounds admit whole prefills only; chunks run in 1-step rounds
                 num_tokens = min(remaining, self.budget)
+                fitted = self._fit_encoder(request, num_hit, num_tokens)
+                if fitted == 0 or (multi_step and fitted < remaining):
+                    self._undo_encoder(request)
+                    return  # its image waits for encoder budget (never a zero or negative chunk)
+                num_tokens = fitted
                 samples = num_tokens == remaining
                 lookahead = self.num_steps - 1 if samples else 0
                 blocks = kv.allocate_slots(request, num_tokens, lookahead, computed)
                 if blocks is not None or not self._preempt_lower(request):
                     break
             if blocks is None:
+                self._undo_encoder(request)
                 return
             ws.waiting.pop()
             ws.admit(request, num_hit)
@@ -130,6 +152,7 @@ class _Plan:
         assert entry is None or not entry.is_new
         if entry is not None:
             self.budget += entry.num_tokens
+        self._undo_encoder(victim)
         self.ws.preempt(victim)
         self.preempted = True
 
@@ -148,6 +171,11 @@ class _Plan:
         record = InflightRound(rnd.round_id, num_steps)
         sampler_ids, samplers = record.sampler_ids, record.samplers
         cached = rnd.cached_requests = CachedRequestData()
+        encoder = self.encoder
+        if encoder is not None and self.encoder_round is not None:
+            # Commit before taking frees: an entry revived this round must not be freed.
+            rnd.encoder_hashes = encoder.commit(self.encoder_round)
+            rnd.encoder_free_hashes = encoder.take_frees()
         for e in entries:
             request = e.request
             start = request.num_computed_tokens
@@ -160,6 +188,7 @@ class _Plan:
                     block_ids=list(e.new_block_ids),
                     sampling=request.sampling,
                     traceparent=request.span_traceparent or request.traceparent,
+                    mm_items=list(request.mm_items),
                 ))
                 request.is_on_worker = True
             else:
@@ -167,6 +196,8 @@ class _Plan:
                 cached.new_block_ids.append(e.new_block_ids)
             rnd.num_scheduled_tokens.append(e.num_tokens)
             step0_end = start + e.num_tokens
+            if encoder is not None and request.mm_items and start < request.mm_items[-1].end:
+                encoder.release_passed(request, step0_end)  # freed with the next round, after this one
             if e.samples:
                 sampler_ids.append(request.request_id)
                 samplers.append(request)

@@ -11,7 +11,7 @@ from services.scheduler.info import SchedulerInfo
 from services.scheduler.request import Request
 from services.scheduler.updates import RequestError, RequestUpdate
 from shared.errors import ErrorKind
-from shared.execute_wire import sampling_from_proto, sampling_to_proto
+from shared.execute_wire import mm_item_from_proto, mm_item_to_proto, sampling_from_proto, sampling_to_proto
 from shared.pb.spindle.v1 import common_pb2, scheduler_pb2
 from shared.types import RequestKind, StopReason
 
@@ -30,6 +30,7 @@ def request_from_proto(msg: scheduler_pb2.AddRequest, connection_id: int) -> Req
         token_type_ids=list(msg.token_type_ids),
         output_token_ids=list(msg.output_token_ids),
         shares_prompt_with=msg.shares_prompt_with,
+        mm_items=tuple(mm_item_from_proto(item) for item in msg.mm_items),
     )
     request.is_resumed = msg.resumed
     return request
@@ -43,6 +44,7 @@ def add_requests_to_proto(requests: Sequence[Request]) -> scheduler_pb2.ConnectR
             token_type_ids=r.token_type_ids, sampling=sampling_to_proto(r.sampling), priority=r.priority,
             traceparent=r.traceparent, deadline_unix_s=r.deadline_unix_s, cache_salts=r.cache_salts,
             output_token_ids=r.output_token_ids, resumed=r.is_resumed, shares_prompt_with=r.shares_prompt_with,
+            mm_items=[mm_item_to_proto(item) for item in r.mm_items],
         )
         for r in requests
     ]))

@@ -12,6 +12,8 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from services.scheduler.encoder_budget import EncoderBudget
+from services.scheduler.encoder_cache import EncoderCacheManager
 from services.scheduler.held_samples import HeldSamples
 from services.scheduler.kv_block_manager import KVBlockManager
 from services.scheduler.observer import RequestObserver
@@ -62,7 +64,7 @@ class WorkerState:
     """
 
     def __init__(self, index: int, address: str, info: WorkerInfo, enable_prefix_caching: bool,
-                 observer: RequestObserver | None = None) -> None:
+                 observer: RequestObserver | None = None, encoder_budget: EncoderBudget | None = None) -> None:
         self.index = index
         self.observer = observer or RequestObserver()
         self.address = address
@@ -71,6 +73,9 @@ class WorkerState:
             KVBlockManager(info.num_kv_blocks, info.block_size, enable_prefix_caching)
             if info.num_kv_blocks > 0 else None
         )
+        # Vision-language models: the worker's encoder cache, budgeted here (encoder_cache.py).
+        self.encoder_budget = encoder_budget
+        self.encoder = EncoderCacheManager(encoder_budget) if encoder_budget is not None else None
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.waiting = WaitingQueue()
@@ -148,6 +153,8 @@ class WorkerState:
         self.running.remove(request)
         if self.kv is not None:
             self.kv.free(request)
+        if self.encoder is not None:
+            self.encoder.release_request(request)
         request.status = RequestStatus.PREEMPTED
         self.release_held(request)
         request.num_computed_tokens = 0
@@ -174,6 +181,8 @@ class WorkerState:
             self.running.remove(request)
             if self.kv is not None:
                 self.kv.free(request)
+            if self.encoder is not None:
+                self.encoder.release_request(request)
         else:
             if not self.waiting.remove(request.request_id):
                 self.held.remove(request.request_id)
@@ -208,6 +217,8 @@ class WorkerState:
         self.next_round_id = 0  # a new Execute stream numbers its rounds from 0
         if self.kv is not None:
             self.kv = KVBlockManager(self.info.num_kv_blocks, self.info.block_size, self.kv.enable_prefix_caching)
+        if self.encoder_budget is not None:
+            self.encoder = EncoderCacheManager(self.encoder_budget)
         return requests
 
     def round_done(self, rnd: InflightRound) -> None:

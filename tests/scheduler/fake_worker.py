@@ -6,14 +6,21 @@ before sampling reads back every slot of the request, so a block that was reused
 or overwritten wrongly fails loudly. Tokens come from a deterministic function of the
 token history, so a request's output does not depend on batching, chunking, preemption
 or prefix-cache hits; `reference_output` replays that function alone.
+
+Images (multimodal items) change what a placeholder position "means": its KV value mixes in
+the image's content hash, so a prefix-cache hit across different images changes the output.
+The worker also keeps an encoder cache and fails when a chunk needs an image that was never
+encoded or already freed, when an image is encoded twice while cached, or when the cache
+exceeds the capacity it reports.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from shared.execute import ExecuteRound, StepOutput, WorkerInfo
+from shared.execute import ExecuteRound, MultiModalItem, StepOutput, WorkerInfo
 from shared.sampling import SamplingOptions
 from shared.types import RequestKind
 
@@ -38,9 +45,21 @@ def chain(prefix_hash: int, token_id: int) -> int:
 ROOT = _mix(12345)
 
 
-def prefix_hashes(token_ids: list[int]) -> list[int]:
+def _effective_tokens(token_ids: list[int], items: Sequence[MultiModalItem]) -> list[int]:
+    """Placeholder tokens stand for their image's features: mix in the content hash and index."""
+    tokens = list(token_ids)
+    for item in items:
+        key = ROOT
+        for byte in item.hash.encode():
+            key = chain(key, byte)
+        for i in range(item.offset, min(item.end, len(tokens))):
+            tokens[i] = _mix(key + i - item.offset) & 0xFFFFFFFF
+    return tokens
+
+
+def prefix_hashes(token_ids: list[int], items: Sequence[MultiModalItem] = ()) -> list[int]:
     out, h = [], ROOT
-    for t in token_ids:
+    for t in _effective_tokens(token_ids, items) if items else token_ids:
         h = chain(h, t)
         out.append(h)
     return out
@@ -62,9 +81,9 @@ def sample_token(history_hash: int, num_output: int, sampling: SamplingOptions, 
 
 
 def reference_output(prompt: list[int], sampling: SamplingOptions, max_model_len: int, vocab_size: int,
-                     eos_period: int) -> list[int]:
+                     eos_period: int, mm_items: Sequence[MultiModalItem] = ()) -> list[int]:
     """What the request produces run alone: an independent oracle for the scheduler's stops."""
-    h = prefix_hashes(prompt)[-1]
+    h = prefix_hashes(prompt, mm_items)[-1]
     out: list[int] = []
     num_tokens = len(prompt)
     while True:
@@ -86,6 +105,7 @@ class _State:
     block_table: list[int]
     sampling: SamplingOptions
     num_prompt: int
+    mm_items: list[MultiModalItem] = field(default_factory=list)
 
 
 @dataclass
@@ -104,11 +124,15 @@ class FakeWorker:
 
     def __init__(self, num_blocks: int, block_size: int, *, vocab_size: int = 64, max_model_len: int = 256,
                  eos_period: int = 23, task: RequestKind = RequestKind.GENERATE, model_id: str = "fake",
-                 verify_kv: bool = True) -> None:
+                 verify_kv: bool = True, mm_tokens_per_item: int = 0, encoder_cache_tokens: int = 0) -> None:
         self.info = WorkerInfo(model_id=model_id, task=task, vocab_size=vocab_size, max_model_len=max_model_len,
                                block_size=block_size, num_kv_blocks=num_blocks,
                                eos_token_ids=(EOS_TOKEN_ID,), attention_backend="fake", dtype="none",
-                               device="cpu", pooled_size=2)
+                               device="cpu", pooled_size=2, mm_tokens_per_item=mm_tokens_per_item,
+                               encoder_cache_tokens=encoder_cache_tokens)
+        self.encoder_cache: dict[str, int] = {}  # content hash -> feature tokens
+        self.num_encoded = 0
+        self.max_encoder_tokens_seen = 0
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.eos_period = eos_period
@@ -158,12 +182,13 @@ class FakeWorker:
         order: list[str] = []
         for new in rnd.new_requests:
             self._check(new.request_id not in self.requests, f"{new.request_id} added twice")
-            state = _State(list(new.token_ids), prefix_hashes(new.token_ids), new.num_computed_tokens,
-                           list(new.block_ids), new.sampling, new.num_prompt_tokens)
+            state = _State(list(new.token_ids), prefix_hashes(new.token_ids, new.mm_items), new.num_computed_tokens,
+                           list(new.block_ids), new.sampling, new.num_prompt_tokens, list(new.mm_items))
             self.requests[new.request_id] = state
             self._verify_kv(new.request_id, state, state.num_computed)  # prefix-cache hit content
             self.num_prefix_hit_tokens += new.num_computed_tokens
             order.append(new.request_id)
+        self._apply_encoder(rnd)
         cached = rnd.cached_requests
         for request_id, blocks in zip(cached.request_ids, cached.new_block_ids, strict=True):
             self._check(request_id in self.requests, f"cached {request_id} unknown")
@@ -175,6 +200,10 @@ class FakeWorker:
             self._check(n >= 1, f"{request_id} scheduled with {n} tokens")
             self._check(state.num_computed + n <= len(state.token_ids),
                         f"{request_id}: computes {state.num_computed}+{n} of {len(state.token_ids)} known tokens")
+            for item in state.mm_items:
+                if item.offset < state.num_computed + n and state.num_computed < item.end:
+                    self._check(item.hash in self.encoder_cache, f"{request_id}: computes image {item.hash} at "
+                                f"{item.offset} but its encoder output was never cached or already freed")
             for _ in range(n):
                 self._compute_next(request_id, state)
             if state.num_computed == len(state.token_ids):
@@ -184,6 +213,21 @@ class FakeWorker:
         pooled = {p.request_id: [float(len(p.token_ids)), float(sum(p.token_ids) % 97)]
                   for p in rnd.pooling_requests}
         return self._emit(run, 0, pooled)
+
+    def _apply_encoder(self, rnd: ExecuteRound) -> None:
+        """Frees first, then encodes (new requests are registered: they carry the pixels)."""
+        for h in rnd.encoder_free_hashes:
+            self._check(self.encoder_cache.pop(h, None) is not None, f"round {rnd.round_id} frees uncached {h}")
+        carried = {item.hash: item.length for s in self.requests.values() for item in s.mm_items}
+        for h in rnd.encoder_hashes:
+            self._check(h in carried, f"round {rnd.round_id} encodes {h}, which no request carries")
+            self._check(h not in self.encoder_cache, f"round {rnd.round_id} encodes {h} again while it is cached")
+            self.encoder_cache[h] = carried[h]
+            self.num_encoded += 1
+        used = sum(self.encoder_cache.values())
+        self.max_encoder_tokens_seen = max(self.max_encoder_tokens_seen, used)
+        self._check(used <= self.info.encoder_cache_tokens or not used,
+                    f"encoder cache holds {used} tokens; capacity {self.info.encoder_cache_tokens}")
 
     def _decode_step(self, run: _Running) -> StepOutput:
         step = run.next_step
