@@ -132,6 +132,7 @@ class FakeWorker:
                                encoder_cache_tokens=encoder_cache_tokens)
         self.encoder_cache: dict[str, int] = {}  # content hash -> feature tokens
         self.num_encoded = 0
+        self.num_split_images = 0  # chunks that computed only part of an image's placeholders
         self.max_encoder_tokens_seen = 0
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -204,6 +205,7 @@ class FakeWorker:
                 if item.offset < state.num_computed + n and state.num_computed < item.end:
                     self._check(item.hash in self.encoder_cache, f"{request_id}: computes image {item.hash} at "
                                 f"{item.offset} but its encoder output was never cached or already freed")
+                    self.num_split_images += item.offset < state.num_computed or item.end > state.num_computed + n
             for _ in range(n):
                 self._compute_next(request_id, state)
             if state.num_computed == len(state.token_ids):

@@ -1,8 +1,9 @@
 """Drives `Scheduler` against `FakeWorker`s in-process and checks invariants after every step.
 
 Random arrivals (shared prefixes, priorities, stop ids, min_tokens, ignore_eos, logprobs,
-deadlines), random aborts and closed frontend connections, random interleaving of worker
-steps with scheduling (so two rounds are often in flight). Deterministic for a seed.
+deadlines, images from a small pool so identical ones meet), random aborts and closed
+frontend connections, random interleaving of worker steps with scheduling (so two rounds are
+often in flight). Deterministic for a seed.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import random
 from dataclasses import dataclass, field
 
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.encoder_budget import derive_encoder_budget
 from services.scheduler.kv_block_manager import KVBlockManager
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.updates import RequestUpdate, UpdateSink
-from shared.execute import ExecuteRound
+from shared.execute import ExecuteRound, MultiModalItem
 from shared.sampling import SamplingOptions
 from tests.scheduler.fake_worker import FakeWorker, reference_output
 
@@ -39,6 +41,9 @@ class HarnessSpec:
     pipeline_quiet_rounds: int = 0  # always pipeline: rounds in flight are what the invariants stress
     eos_period: int = 50
     max_ticks: int = 50_000
+    image_prob: float = 0.0  # share of requests carrying images (a vision-language worker when > 0)
+    tokens_per_image: int = 8
+    limit_mm_per_prompt: int = 2
 
 
 @dataclass
@@ -67,14 +72,19 @@ class Harness:
     def __init__(self, spec: HarnessSpec) -> None:
         self.spec = spec
         self.rng = random.Random(spec.seed)
-        self.workers = [FakeWorker(spec.num_blocks, spec.block_size, max_model_len=spec.max_model_len,
-                                   eos_period=spec.eos_period)
-                        for _ in range(spec.num_workers)]
         self.config = SchedulerConfig(
             max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
             num_scheduler_steps=spec.num_scheduler_steps, enable_prefix_caching=spec.enable_prefix_caching,
             enable_priority_preemption=spec.enable_priority_preemption,
-            pipeline_quiet_rounds=spec.pipeline_quiet_rounds)
+            pipeline_quiet_rounds=spec.pipeline_quiet_rounds, limit_mm_per_prompt=spec.limit_mm_per_prompt)
+        self.encoder_budget = derive_encoder_budget(
+            spec.tokens_per_image, spec.max_num_batched_tokens, spec.max_num_seqs, spec.limit_mm_per_prompt
+        ) if spec.image_prob > 0 else None
+        mm = {"mm_tokens_per_item": spec.tokens_per_image,
+              "encoder_cache_tokens": self.encoder_budget.cache_tokens} if self.encoder_budget else {}
+        self.workers = [FakeWorker(spec.num_blocks, spec.block_size, max_model_len=spec.max_model_len,
+                                   eos_period=spec.eos_period, **mm)  # type: ignore[arg-type]
+                        for _ in range(spec.num_workers)]
         self.scheduler = Scheduler(self.config, [w.info for w in self.workers])
         for ws, worker in zip(self.scheduler.workers, self.workers, strict=True):
             self._guard_cache_blocks(ws.kv, worker)
@@ -102,9 +112,27 @@ class Harness:
             logprobs=rng.choice([None, None, None, 0, 2]),
         )
         deadline = float(self.tick + rng.randint(5, 80)) if rng.random() < 0.03 else 0.0
+        items = self.make_images(prompt) if rng.random() < spec.image_prob else ()
         return Request(request_id=f"r{index}", prompt_token_ids=prompt, sampling=sampling,
                        priority=rng.choice([0, 0, 0, 1, 2]), connection_id=rng.randrange(3),
-                       deadline_unix_s=deadline)
+                       deadline_unix_s=deadline, mm_items=items)
+
+    def make_images(self, prompt: list[int]) -> tuple[MultiModalItem, ...]:
+        """1..limit images from a pool of 3, placeholders written over the prompt (in place).
+
+        The first often sits at offset 2, inside the shared prefixes, so prefix hits meet both
+        identical and different images at the same place.
+        """
+        rng, length = self.rng, self.spec.tokens_per_image
+        items: list[MultiModalItem] = []
+        offset = 2 if rng.random() < 0.5 else rng.randint(0, 6)
+        for _ in range(rng.randint(1, self.spec.limit_mm_per_prompt)):
+            if offset + length > len(prompt):
+                break
+            items.append(MultiModalItem(f"img{rng.randrange(3)}", offset, length))
+            prompt[offset : offset + length] = [2] * length
+            offset += length + rng.randint(0, 6)
+        return tuple(items)
 
     # ---- loop ----
 
@@ -119,7 +147,8 @@ class Harness:
                 request = self.make_request(num_added)
                 num_added += 1
                 self.views[request.request_id] = ClientView(request, reference_output(
-                    request.prompt_token_ids, request.sampling, spec.max_model_len, 64, spec.eos_period))
+                    request.prompt_token_ids, request.sampling, spec.max_model_len, 64, spec.eos_period,
+                    request.mm_items))
                 sched.add_request(request, sink)
             self._random_aborts(sink)
             sched.expire_deadlines(float(self.tick), sink)
@@ -195,12 +224,22 @@ class Harness:
         assert len(scheduled) <= self.config.max_num_seqs, "max_num_seqs exceeded in a round"
         assert all(n >= 1 for n in scheduled), "a request was scheduled with zero new tokens"
         assert rnd.num_steps <= self.config.num_scheduler_steps
+        if self.encoder_budget is not None:
+            encoded = sum(self.spec.tokens_per_image for _ in rnd.encoder_hashes)
+            assert encoded <= self.encoder_budget.compute_tokens, f"encoder compute budget exceeded: {encoded}"
+            assert len(set(rnd.encoder_hashes)) == len(rnd.encoder_hashes), "an image encoded twice in a round"
 
     def check(self) -> None:
         sched = self.scheduler
         for ws in sched.workers:
             assert ws.kv is not None
             ws.kv.check_invariants()
+            if ws.encoder is not None:
+                ws.encoder.check_invariants()  # within budget, every live entry held
+                for request in ws.requests.values():
+                    if request.status is not RequestStatus.RUNNING:
+                        assert all(request.request_id not in {k[0] for k in e.holders}
+                                   for e in ws.encoder.entries.values()), f"{request.request_id} holds images"
             assert len(ws.running) <= self.config.max_num_seqs, "max_num_seqs exceeded"
             self.max_running_seen = max(self.max_running_seen, len(ws.running))
             for request in ws.running:
