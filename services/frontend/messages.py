@@ -35,6 +35,8 @@ class SchedulerInfo:
     num_kv_blocks: int = 0
     block_size: int = 0
     max_request_tokens: int = 0  # 0: unknown, only max_model_len limits a request
+    mm_tokens_per_item: int = 0  # feature tokens per image; 0: the model takes no images
+    limit_mm_per_prompt: int = 0  # most images per request
 
     @property
     def max_total_tokens(self) -> int:

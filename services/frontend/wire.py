@@ -102,6 +102,8 @@ def info_from_proto(msg: scheduler_pb2.GetSchedulerInfoResponse) -> SchedulerInf
         num_kv_blocks=msg.num_kv_blocks,
         block_size=msg.block_size,
         max_request_tokens=msg.max_request_tokens,
+        mm_tokens_per_item=msg.mm_tokens_per_item,
+        limit_mm_per_prompt=msg.limit_mm_per_prompt,
     )
 
 

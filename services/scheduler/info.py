@@ -44,3 +44,5 @@ class SchedulerInfo:
     block_size: int = 0
     max_request_tokens: int = 0  # longest prompt + output one worker's KV pool can hold
     stats: SchedulerStats = SchedulerStats()
+    mm_tokens_per_item: int = 0  # feature tokens per image; 0: the model takes no images
+    limit_mm_per_prompt: int = 0

@@ -250,6 +250,8 @@ class Scheduler:
             block_size=self.workers[0].info.block_size,
             max_request_tokens=self.max_request_tokens,
             stats=self.stats(),
+            mm_tokens_per_item=self.encoder_budget.tokens_per_item if self.encoder_budget else 0,
+            limit_mm_per_prompt=self.config.limit_mm_per_prompt if self.encoder_budget else 0,
         )
 
     # ---- helpers ----
