@@ -5,51 +5,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
+from worker_harness import prefill_logits
 
-from services.worker.attention import AttentionType, CommonAttentionMetadata, create_backend
+from services.worker.attention import create_backend
 from services.worker.models import MODEL_REGISTRY
 from services.worker.models.config import mistral_config, qwen2_config
 from services.worker.models.loader import load_model, parse_config, read_hf_config
 
 
-def _prefill_logits(model_dir: Path, ids: torch.Tensor) -> torch.Tensor:
-    """Our model's logits for one prompt computed in one pass through the paged path."""
-    backend = create_backend("sdpa", 16)
-    model = load_model(model_dir, backend, torch.float32, torch.device("cpu"))
-    cfg = model.config
-    n = len(ids)
-    blocks = -(-n // 16)
-    caches = [torch.zeros(2, blocks, 16, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
-    lens = np.array([n])
-    common = CommonAttentionMetadata(
-        AttentionType.DECODER,
-        1,
-        n,
-        n,
-        n,
-        torch.tensor([0, n]),
-        torch.tensor([n]),
-        lens,
-        lens,
-        torch.arange(blocks)[None],
-        torch.arange(n),
-    )
-    builder = backend.metadata_builder()
-    meta = builder.build(
-        common, [torch.from_numpy(a) for a in builder.prepare(lens, lens, AttentionType.DECODER)]
-    )
-    with torch.inference_mode():
-        return model.compute_logits(model(ids, torch.arange(n), caches, meta))
-
-
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 def test_logits_equal_transformers(tiny_models: dict[str, Path], family: str) -> None:
     ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(0))  # > mistral's window 16
-    ours = _prefill_logits(tiny_models[family], ids)
+    ours = prefill_logits(tiny_models[family], ids)
     hf = AutoModelForCausalLM.from_pretrained(tiny_models[family], dtype=torch.float32)
     with torch.inference_mode():
         reference = hf(ids[None]).logits[0]
@@ -70,7 +40,7 @@ def test_tied_word_embeddings_load_from_embed_tokens(tmp_path: Path) -> None:
     hf = AutoModelForCausalLM.from_config(config)
     hf.save_pretrained(tmp_path)
     ids = torch.arange(10)
-    ours = _prefill_logits(tmp_path, ids)
+    ours = prefill_logits(tmp_path, ids)
     with torch.inference_mode():
         torch.testing.assert_close(ours, hf(ids[None]).logits[0], atol=1e-4, rtol=1e-4)
 

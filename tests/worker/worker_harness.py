@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from services.worker.attention import create_backend
+from services.worker.attention import AttentionType, CommonAttentionMetadata, create_backend
 from services.worker.kv_cache import allocate_kv_caches
 from services.worker.model_runner import ModelRunner
 from services.worker.models.loader import load_model, parse_config, read_hf_config
@@ -44,6 +45,36 @@ def make_runner(
         eos_token_ids=config.eos_token_ids,
         device=device,
     )
+
+
+def prefill_logits(model_dir: Path, ids: torch.Tensor, backend_name: str = "sdpa") -> torch.Tensor:
+    """Our model's logits for one prompt computed in one pass through the paged path."""
+    backend = create_backend(backend_name, 16)
+    model = load_model(model_dir, backend, torch.float32, torch.device("cpu"))
+    cfg = model.config
+    n = len(ids)
+    blocks = -(-n // 16)
+    caches = [torch.zeros(2, blocks, 16, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+    lens = np.array([n])
+    common = CommonAttentionMetadata(
+        AttentionType.DECODER,
+        1,
+        n,
+        n,
+        n,
+        torch.tensor([0, n]),
+        torch.tensor([n]),
+        lens,
+        lens,
+        torch.arange(blocks)[None],
+        torch.arange(n),
+    )
+    builder = backend.metadata_builder()
+    meta = builder.build(
+        common, [torch.from_numpy(a) for a in builder.prepare(lens, lens, AttentionType.DECODER)]
+    )
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, torch.arange(n), caches, meta))
 
 
 def run_round(runner: ModelRunner, round_: ExecuteRound) -> list[StepOutput]:

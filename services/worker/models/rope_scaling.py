@@ -9,13 +9,15 @@ ones transformers computes and a float32 forward matches it exactly:
 - `llama3`: low frequencies / factor, high ones kept, a smooth ramp between (Llama 3.1+).
 - `yarn`: per-dimension blend of interpolated and extrapolated frequencies, plus an attention
   factor (mscale) that multiplies cos and sin (Qwen2.5, Qwen3, DeepSeek-style configs).
-- `longrope`: per-dimension short and long rescale factors (Phi-3 / 3.5). transformers picks
-  the long set for a forward pass whose longest sequence exceeds
-  `original_max_position_embeddings`; spindle picks it by position (positions at or beyond that
-  length use the long set). Both agree whenever a prompt fits the original window, however far
-  generation goes past it; a prompt longer than the window differs (transformers then rotates
-  every prompt key with the long set), which keeps prefix caching and chunked prefill exact
-  here, as in vLLM.
+- `longrope`: per-dimension short and long rescale factors (Phi-3 / 3.5 / 4-mini). spindle
+  rotates positions below `original_max_position_embeddings` with the short set and the rest
+  with the long set, as vLLM does: a key's rotation depends on its position only, so prefix
+  caching, chunked prefill and preemption stay exact. transformers instead uses one set per
+  sequence: short while the sequence fits the original window, and once it grows past it
+  `Phi3ForCausalLM` drops its KV cache and recomputes the whole sequence with the long set.
+  Both agree token for token while prompt + output fit the original window; past it they
+  differ by design (matching it would need the scheduler to recompute a request, in its own
+  prefix-cache namespace, when it crosses the window).
 - `dynamic` (dynamic NTK): transformers recomputes the base from the longest sequence a forward
   pass has seen and keeps the keys already cached under older frequencies, so a key's rotation
   depends on the history of the sequence and of the batch it ran in. A paged cache whose blocks
