@@ -175,7 +175,7 @@ def _config_variable(key: str) -> str:
 
 # Variables the chart sets beyond each component's `config` block.
 CHART_VARIABLES = {
-    "frontend": {"SPINDLE_API_KEY_FILE"},
+    "frontend": {"SPINDLE_API_KEY_FILE", "SPINDLE_STATE_STORE"},
     "scheduler": {"SPINDLE_STATE_STORE"},
     "worker": {"SPINDLE_DEVICE"},
 }
@@ -280,7 +280,7 @@ def test_grafana_dashboard_config_map_carries_the_dashboard_file() -> None:
     assert json.loads(dashboard["data"]["spindle.json"]) == json.loads((CHART / "dashboards/spindle.json").read_text())
 
 
-def test_bundled_redis_keeps_an_append_only_file_and_the_scheduler_gets_its_url() -> None:
+def test_bundled_redis_keeps_an_append_only_file_and_scheduler_and_frontend_get_its_url() -> None:
     manifests = render((CI_VALUES["redis"],))
     redis = workload(manifests, "redis")
     args = redis["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -289,18 +289,24 @@ def test_bundled_redis_keeps_an_append_only_file_and_the_scheduler_gets_its_url(
     assert claim["metadata"]["name"] == "data"
     service = one(manifests, "Service", "redis")
     expected = f"redis://{fqdn(service['metadata']['name'])}:6379/0"
-    assert config_data(manifests, "scheduler")["SPINDLE_STATE_STORE"] == expected
+    # The scheduler's journal, and the frontends' rate-limit counters (shared by every replica).
+    for component in ("scheduler", "frontend"):
+        assert config_data(manifests, component)["SPINDLE_STATE_STORE"] == expected, component
+    assert "SPINDLE_STATE_STORE" not in config_data(manifests, "worker")
 
 
 def test_external_redis_replaces_the_bundled_one() -> None:
     by_url = render(sets=("redis.enabled=true", "redis.externalUrl=redis://cache:6379/2"))
     assert not find(by_url, "StatefulSet", "redis") and not find(by_url, "Service", "redis")
-    assert config_data(by_url, "scheduler")["SPINDLE_STATE_STORE"] == "redis://cache:6379/2"
     by_secret = render(sets=("redis.externalUrlSecret.name=redis-url",))
-    assert "SPINDLE_STATE_STORE" not in config_data(by_secret, "scheduler")
-    env = {e["name"]: e for e in main_container(by_secret, "scheduler")["env"]}
-    assert env["SPINDLE_STATE_STORE"]["valueFrom"] == {"secretKeyRef": {"name": "redis-url", "key": "url"}}
-    assert "SPINDLE_STATE_STORE" not in config_data(render(), "scheduler"), "no Redis by default"
+    for component in ("scheduler", "frontend"):
+        assert config_data(by_url, component)["SPINDLE_STATE_STORE"] == "redis://cache:6379/2"
+        assert "SPINDLE_STATE_STORE" not in config_data(by_secret, component)
+        env = {e["name"]: e for e in main_container(by_secret, component).get("env", [])}
+        assert env["SPINDLE_STATE_STORE"]["valueFrom"] == {"secretKeyRef": {"name": "redis-url", "key": "url"}}
+        assert "SPINDLE_STATE_STORE" not in config_data(render(), component), "no Redis by default"
+    worker_env = {e["name"] for e in main_container(by_secret, "worker").get("env", [])}
+    assert "SPINDLE_STATE_STORE" not in worker_env
 
 
 def test_api_keys_are_a_secret_file_in_the_frontend_only() -> None:

@@ -88,12 +88,36 @@ The scheduler's --workers-addr: one stable StatefulSet pod name per worker repli
 {{- if and $r.enabled (not $r.externalUrl) (not $r.externalUrlSecret.name) }}true{{ end }}
 {{- end }}
 
-{{/* The state store URL when it is not in a Secret; empty: the scheduler keeps state in memory. */}}
+{{/* The state store URL when it is not in a Secret; empty: state stays in each process's memory. */}}
 {{- define "spindle.redisUrl" -}}
 {{- if .Values.redis.externalUrl }}
 {{- .Values.redis.externalUrl }}
 {{- else if include "spindle.redisBundled" . }}
 {{- printf "redis://%s:%d/0" (include "spindle.serviceHost" (dict "ctx" . "component" "redis")) (int .Values.redis.port) }}
+{{- end }}
+{{- end }}
+
+{{/*
+ConfigMap of a component that uses the state store, (dict "ctx" $ "component" "scheduler"): the
+scheduler journals accepted requests there, frontends count per-key rate limits there (shared by
+every replica). Carries SPINDLE_STATE_STORE unless the URL is in a Secret (stateStoreSecretEnv).
+*/}}
+{{- define "spindle.stateStoreConfigMap" -}}
+{{- $extra := dict }}
+{{- with include "spindle.redisUrl" .ctx }}
+{{- $_ := set $extra "SPINDLE_STATE_STORE" . }}
+{{- end }}
+{{- include "spindle.configMap" (dict "ctx" .ctx "component" .component "extra" $extra) }}
+{{- end }}
+
+{{/* SPINDLE_STATE_STORE from `redis.externalUrlSecret`, as a YAML list of container env entries (none without it). */}}
+{{- define "spindle.stateStoreSecretEnv" -}}
+{{- with .Values.redis.externalUrlSecret.name }}
+- name: SPINDLE_STATE_STORE
+  valueFrom:
+    secretKeyRef:
+      name: {{ . | quote }}
+      key: {{ $.Values.redis.externalUrlSecret.key | quote }}
 {{- end }}
 {{- end }}
 
