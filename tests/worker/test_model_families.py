@@ -23,6 +23,7 @@ from worker_harness import ToyScheduler, make_runner, prefill_logits
 
 from services.worker.attention.naive import create as create_naive
 from services.worker.attention.padded import PaddedBackend
+from services.worker.kernels.build import kernels_error
 from services.worker.models.loader import load_model, parse_config, read_hf_config
 from shared.tiny_families import FAMILY_CONFIGS, build_family
 
@@ -91,7 +92,12 @@ def _run_spindle(path: Path, backend: str, num_steps: int, jobs: dict[str, tuple
     return scheduler
 
 
-@pytest.mark.parametrize(("backend", "num_steps"), [("sdpa", 1), ("naive", 4)])
+_PAGED = pytest.param(
+    "paged", 2, marks=pytest.mark.skipif(kernels_error() is not None, reason="paged kernels not built here")
+)
+
+
+@pytest.mark.parametrize(("backend", "num_steps"), [("sdpa", 1), ("naive", 4), _PAGED])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tokens_match_transformers(
     family_models: dict[str, Path], family: str, backend: str, num_steps: int

@@ -77,6 +77,7 @@ class PagedBackend(AttentionBackend):
     """Decoder attention through `torch.ops.spindle.paged_attention`; needs the kernels loaded."""
 
     name = "paged"
+    supports_logit_softcap = True  # the kernel caps scores (LayerAttentionSpec.logit_softcap)
 
     def __init__(self, block_size: int) -> None:
         load_kernels()  # raises KernelBuildError; the registry only picks this backend when it loads
