@@ -201,11 +201,13 @@ class EngineClient:
             raise
 
     async def _sample_events(self, prepared: PreparedRequest, sample: _Sample) -> AsyncIterator[GenerateEvent]:
-        """One sample's events: echo, then a chunk per step with new output, then its complete."""
+        """One sample's events: echo, then a chunk per step with new output, then its complete.
+
+        The echo chunk waits for the scheduler's first update, so a request the scheduler
+        refuses at once (backpressure) still fails before an HTTP stream has started.
+        """
         processor, index, telemetry = sample.processor, sample.index, prepared.telemetry
-        if prepared.echo_text is not None:
-            yield GenerateChunk(prepared.request_id, list(sample.add.prompt_token_ids), prepared.echo_text,
-                                index=index, is_prompt=True)
+        echo = prepared.echo_text
         async with self.scheduler.submit(sample.add) as stream:
             while not processor.is_finished:
                 try:
@@ -215,9 +217,13 @@ class EngineClient:
                     chunk = processor.abort()
                 else:
                     started = time.perf_counter()
-                    chunk = processor.process(updates)
+                    chunk = processor.process(updates)  # raises the scheduler's error, if any
                     if chunk is not None:
                         telemetry.on_chunk(chunk, time.perf_counter() - started)
+                if echo is not None:
+                    yield GenerateChunk(prepared.request_id, list(sample.add.prompt_token_ids), echo, index=index,
+                                        is_prompt=True)
+                    echo = None
                 if chunk is not None:
                     chunk.index = index
                     yield chunk
