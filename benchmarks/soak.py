@@ -60,7 +60,7 @@ class SoakSettings:
     request_timeout_s: float = 300.0
     seed: int = 0
     workers: int = 1
-    kv_cache_bytes: int | None = 128 * MIB
+    kv_cache_bytes: int | None = 40 * MIB
     model_dir: str = ""  # empty: the small benchmark model, built if missing
     rss_pct: float = 15.0
     rss_mib: float = 64.0
@@ -108,12 +108,15 @@ def _mib(n: int) -> str:
 
 
 class Reporter:
-    """Prints a progress line every `every_s` seconds while the load runs."""
+    """Prints a progress line every `every_s` seconds while the load runs.
+
+    Counts are of requests that ended; tokens/s is the output tokens those requests received
+    over the interval (a long stream counts when it ends, so the figure is bursty)."""
 
     def __init__(self, probe: Probe, tally: Tally, every_s: float) -> None:
         self.probe, self.tally, self.every_s = probe, tally, every_s
-        self.start = time.monotonic()
-        self._last = (self.start, 0)
+        self.phase_start = time.monotonic()
+        self._last = (self.phase_start, 0)
 
     async def line(self, phase: str) -> str:
         now = time.monotonic()
@@ -121,7 +124,7 @@ class Reporter:
         self._last = (now, self.tally.tokens)
         rate = (self.tally.tokens - last_tokens) / max(now - last_at, 1e-9)
         k = self.tally.kinds
-        head = (f"[{phase} {now - self.start:6.0f}s] completed {k[COMPLETED]} aborted {k[ABORTED]} "
+        head = (f"[{phase} {now - self.phase_start:4.0f}s] completed {k[COMPLETED]} aborted {k[ABORTED]} "
                 f"rejected {k[REJECTED]} errors {k[ERROR]} | {rate:6.0f} tok/s")
         try:
             snap = await self.probe.snapshot()
@@ -133,6 +136,7 @@ class Reporter:
                 f"preemptions {snap.preemptions} | RSS MiB {rss}")
 
     async def run(self, phase: str) -> None:
+        self.phase_start = time.monotonic()
         while True:
             await asyncio.sleep(self.every_s)
             print(await self.line(phase), flush=True)
@@ -244,7 +248,7 @@ def parse_settings(argv: Sequence[str] | None) -> tuple[SoakSettings, Path]:
     p.add_argument("--seed", type=int, default=d.seed, help="seeds every request shape")
     p.add_argument("--workers", type=int, default=d.workers, help="spindle serve --workers")
     p.add_argument("--kv-cache-bytes", type=int, default=d.kv_cache_bytes,
-                   help="KV cache per worker: small enough that 256 streams preempt now and then")
+                   help="KV cache per worker: small enough that 256 streams fill it now and then")
     p.add_argument("--model-dir", default=d.model_dir, help="checkpoint to serve (default: the small bench model)")
     p.add_argument("--rss-pct", type=float, default=d.rss_pct, help="allowed RSS growth in percent ...")
     p.add_argument("--rss-mib", type=float, default=d.rss_mib, help="... or in MiB, whichever is larger")

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import uvloop
 
+from services.serve_flags import FRONTEND, SCHEDULER, WORKER, add_serve_flags, service_args, shutdown_grace_s
 from shared.logs import LOG_FORMATS, setup_logging
 from shared.service_flags import add_api_key_arguments, add_public_tls_arguments, public_tls_from_args
 
@@ -34,20 +35,6 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="public gRPC port")
     parser.add_argument("--workers", type=int, default=1, help="number of worker processes (data parallel)")
     parser.add_argument("--served-model-name", default=None, help="model id clients use (default: dir name)")
-    parser.add_argument("--num-scheduler-steps", type=int, default=None,
-                        help="decode steps per scheduler round trip (multi-step)")
-    parser.add_argument("--max-num-seqs", type=int, default=None, help="most sequences running at once")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
-    parser.add_argument("--max-waiting-requests", type=int, default=None,
-                        help="most requests waiting for admission; past it new ones get HTTP 429")
-    parser.add_argument("--max-waiting-tokens", type=int, default=None,
-                        help="most prompt tokens waiting for admission; past it new requests get HTTP 429")
-    parser.add_argument("--attention-backend", default=None, help="auto | paged | sdpa | naive | flash-attn")
-    parser.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
-    parser.add_argument("--device", default=None, help="auto | cpu | cuda")
-    parser.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache budget per CPU worker")
-    parser.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
     parser.add_argument("--host-services-nice", type=int, default=10,
                         help="niceness of frontend and scheduler, so the worker keeps its cores (0: off)")
     parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("SPINDLE_METRICS_PORT", "9400")),
@@ -57,34 +44,22 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
     add_public_tls_arguments(parser)
     add_api_key_arguments(parser)
-
-
-def _flags(args: argparse.Namespace, names: Sequence[str]) -> tuple[str, ...]:
-    """Turn the set serve options among `names` into `--flag value` pairs for a child."""
-    out: list[str] = []
-    for name in names:
-        value = getattr(args, name)
-        if value is not None:
-            out += [f"--{name.replace('_', '-')}", str(value)]
-    return tuple(out)
+    # Service flags handed through to the children that take them (services/serve_flags.py).
+    add_serve_flags(parser)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from services.launcher import Launcher, ServeConfig
 
-    worker_flags = ("attention_backend", "dtype", "device", "kv_cache_bytes", "block_size",
-                    "max_num_seqs", "max_num_batched_tokens", "num_threads")
-    scheduler_flags = ("num_scheduler_steps", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
-                       "max_waiting_tokens")
     try:
         config = ServeConfig(
             model=args.model, host=args.host, port=args.port, grpc_port=args.grpc_port,
             num_workers=args.workers, served_model_name=args.served_model_name,
             host_services_nice=args.host_services_nice, metrics_port=args.metrics_port,
             log_format=args.log_format,
-            frontend_args=("--log-requests",) if args.log_requests else (),
-            worker_args=_flags(args, worker_flags), scheduler_args=_flags(args, scheduler_flags),
-            tls=public_tls_from_args(args), api_key_file=args.api_key_file,
+            frontend_args=(*service_args(args, FRONTEND), *(("--log-requests",) if args.log_requests else ())),
+            worker_args=service_args(args, WORKER), scheduler_args=service_args(args, SCHEDULER),
+            tls=public_tls_from_args(args), api_key_file=args.api_key_file, shutdown_grace_s=shutdown_grace_s(args),
         )
     except ValueError as exc:
         sys.stderr.write(f"spindle serve: {exc}\n")

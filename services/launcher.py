@@ -2,7 +2,8 @@
 
 The launcher owns process lifecycle only: it picks internal ports, starts each service with
 `python -m services.<name>`, waits until the frontend's /health says every service is ready,
-announces where it listens, and on Ctrl-C / SIGTERM stops all of them, gently first. A child
+announces where it listens, and on Ctrl-C / SIGTERM stops all of them, gently first: frontend
+and scheduler drain the requests in flight, then the workers they ran on stop. A child
 that dies after start-up is restarted with the same command and ports (backoff from 1 s up to
 30 s), as Kubernetes would: the others reconnect to it and nothing in flight is lost. A child
 that dies before spindle was ever ready is a configuration error: everything stops. It never
@@ -28,6 +29,9 @@ from shared.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
 
+# What a child gets beyond its drain time to exit after SIGTERM (closing streams, flushing).
+STOP_MARGIN_S = 10.0
+
 
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
@@ -52,7 +56,9 @@ class ServeConfig:
     metrics_port: int = 0
     log_format: str = "text"
     ready_timeout_s: float = 600.0
-    stop_grace_s: float = 10.0
+    # How long frontend and scheduler drain on SIGTERM (their --shutdown-grace-s); each group of
+    # children gets this plus STOP_MARGIN_S to exit before it is killed.
+    shutdown_grace_s: float = 20.0
     # Handed to the frontend: TLS on the public ports, and the API keys every route but /health needs.
     tls: TlsFiles | None = None
     api_key_file: str = ""
@@ -202,18 +208,29 @@ class Launcher:
         return False
 
     def stop(self) -> None:
-        """SIGTERM every child (frontend first, so no new work arrives), then SIGKILL stragglers."""
+        """Stop every child: frontend and scheduler first, the workers once both are gone.
+
+        On SIGTERM frontend and scheduler drain: new requests are refused and those in flight get
+        `shutdown_grace_s` to finish. The workers must keep running meanwhile, or the requests
+        draining would have nothing to run on; so they are stopped only after.
+        """
         self._stopping = True
-        for name in ["frontend", "scheduler", *[n for n in self.children if n.startswith("worker")]]:
-            proc = self.children.get(name)
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.config.stop_grace_s
-        for name, proc in self.children.items():
+        self._terminate([n for n in ("frontend", "scheduler") if n in self.children])
+        self._terminate([n for n in self.children if n.startswith("worker")])
+
+    def _terminate(self, names: list[str]) -> None:
+        """SIGTERM the children `names` together; SIGKILL any still alive after the grace period."""
+        for name in names:
+            if self.children[name].poll() is None:
+                self.children[name].send_signal(signal.SIGTERM)
+        grace_s = self.config.shutdown_grace_s + STOP_MARGIN_S
+        deadline = time.monotonic() + grace_s
+        for name in names:
+            proc = self.children[name]
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in %.0f s; killing it", name, self.config.stop_grace_s)
+                logger.warning("%s did not stop in %.0f s; killing it", name, grace_s)
                 proc.kill()
                 proc.wait()
 
