@@ -1,7 +1,8 @@
 """Drives `Scheduler` against `FakeWorker`s in-process and checks invariants after every step.
 
 Random arrivals (shared prefixes, priorities, stop ids, min_tokens, ignore_eos, logprobs,
-deadlines, images from a small pool so identical ones meet), random aborts and closed
+deadlines, images from a small pool so identical ones meet, groups of samples of one n > 1
+request), random aborts and closed
 frontend connections, random interleaving of worker steps with scheduling (so two rounds are
 often in flight). Deterministic for a seed.
 """
@@ -44,6 +45,7 @@ class HarnessSpec:
     image_prob: float = 0.0  # share of requests carrying images (a vision-language worker when > 0)
     tokens_per_image: int = 8
     limit_mm_per_prompt: int = 2
+    group_prob: float = 0.0  # share of arrivals that are n > 1 requests (2..4 samples sharing the prompt)
 
 
 @dataclass
@@ -117,6 +119,18 @@ class Harness:
                        priority=rng.choice([0, 0, 0, 1, 2]), connection_id=rng.randrange(3),
                        deadline_unix_s=deadline, mm_items=items)
 
+    def make_group(self, index: int) -> list[Request]:
+        """One request, or (with `group_prob`) the samples of an n > 1 one, as the frontend sends them."""
+        first = self.make_request(index)
+        if not self.spec.group_prob or self.rng.random() >= self.spec.group_prob:
+            return [first]
+        return [first] + [
+            Request(request_id=f"r{index + i}", prompt_token_ids=list(first.prompt_token_ids), sampling=first.sampling,
+                    priority=first.priority, connection_id=first.connection_id, deadline_unix_s=first.deadline_unix_s,
+                    mm_items=first.mm_items, shares_prompt_with=first.request_id)
+            for i in range(1, self.rng.randint(2, 4))
+        ]
+
     def make_images(self, prompt: list[int]) -> tuple[MultiModalItem, ...]:
         """1..limit images from a pool of 3, placeholders written over the prompt (in place).
 
@@ -144,12 +158,13 @@ class Harness:
             assert self.tick < spec.max_ticks, f"no progress after {self.tick} ticks: {sched.stats()}"
             sink = UpdateSink()
             for _ in range(rng.choice([0, 0, 0, 1, 1, 2, 3]) if num_added < spec.num_requests else 0):
-                request = self.make_request(num_added)
-                num_added += 1
-                self.views[request.request_id] = ClientView(request, reference_output(
-                    request.prompt_token_ids, request.sampling, spec.max_model_len, 64, spec.eos_period,
-                    request.mm_items))
-                sched.add_request(request, sink)
+                group = self.make_group(num_added)
+                num_added += len(group)
+                for request in group:
+                    self.views[request.request_id] = ClientView(request, reference_output(
+                        request.prompt_token_ids, request.sampling, spec.max_model_len, 64, spec.eos_period,
+                        request.mm_items))
+                    sched.add_request(request, sink)
             self._random_aborts(sink)
             sched.expire_deadlines(float(self.tick), sink)
             self._deliver(sink)
@@ -249,6 +264,6 @@ class Harness:
                 assert sched.requests[request.request_id] is request
                 if request.status is not RequestStatus.RUNNING:
                     assert not ws.kv.has_blocks(request.request_id), f"{request.request_id} holds blocks"
-            num_placed = len(ws.running) + len(ws.waiting) + len(ws.draining)
+            num_placed = len(ws.running) + len(ws.waiting) + len(ws.draining) + len(ws.held)
             assert num_placed == len(ws.requests), "a request is in no queue or in two"
         assert len(sched.requests) == sum(len(ws.requests) for ws in sched.workers)

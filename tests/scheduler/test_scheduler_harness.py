@@ -39,7 +39,7 @@ def check_drained(result: HarnessResult) -> None:
     for ws, worker in zip(sched.workers, result.workers, strict=True):
         assert ws.kv is not None
         assert ws.kv.num_free_blocks == ws.kv.num_blocks, "blocks still held after every request ended"
-        assert not ws.running and not ws.waiting and not ws.draining and not ws.inflight
+        assert not ws.running and not ws.waiting and not ws.draining and not ws.held and not ws.inflight
         # The worker still holds exactly the requests whose finish has not been sent yet.
         assert set(worker.requests) == set(ws.pending_finished_ids)
 
@@ -59,6 +59,11 @@ CONFIGS = {
     # The default policy: multi-step rounds go ahead only in quiet stretches.
     "2w-8step-adaptive-pipelining": HarnessSpec(seed=10, num_workers=2, num_scheduler_steps=8, num_blocks=48,
                                                 pipeline_quiet_rounds=2),
+    # n > 1: later samples held until the first cached the prompt, then sharing its blocks.
+    "n-samples-2w-8step": HarnessSpec(seed=11, num_workers=2, num_scheduler_steps=8, num_blocks=48,
+                                      group_prob=0.3),
+    "n-samples-1step-no-prefix-cache": HarnessSpec(seed=12, num_blocks=40, group_prob=0.3, num_requests=900,
+                                                   enable_prefix_caching=False),
 }
 
 
