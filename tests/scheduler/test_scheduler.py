@@ -334,7 +334,7 @@ def test_embed_requests_are_batched_and_pooled() -> None:
 
 
 def test_request_state_round_trips_through_a_plain_dict() -> None:
-    request = _req("a", [5, 6, 7], max_tokens=9, stop_token_ids=(3, 4), logprobs=2)
+    request = _req("a", [5, 6, 7], max_tokens=9, stop_token_ids=(3, 4), logprobs=2, logit_bias=((5, -1.5), (9, 100.0)))
     request.cache_salts = ("img",)
     request.append_output_token(11)
     request.status = RequestStatus.PREEMPTED
