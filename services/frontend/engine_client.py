@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from services.frontend.best_of import pick_best
 from services.frontend.config import FrontendConfig
 from services.frontend.generation_defaults import GenerationDefaults
+from services.frontend.image_inputs import image_inputs
 from services.frontend.limits import check_generate_sizes, check_size, check_text, effective_timeout_s
 from services.frontend.messages import (
     AddRequest,
@@ -135,6 +136,11 @@ class EngineClient:
             check_samples(request.n, request.best_of)
         with telemetry.phase("tokenize"):
             prompt_token_ids = await self._prompt_token_ids(request)
+        mm_items = []
+        if request.images:
+            with telemetry.phase("images"):
+                prompt_token_ids, mm_items = await image_inputs(self.config.model).process(
+                    request.images, prompt_token_ids, info, limits, self.tokenizer.hf.bos_token_id)
         with telemetry.phase("validate_prompt"):
             check_prompt(prompt_token_ids, info, limits.max_prompt_tokens)
             options = resolve_sampling(request.sampling, len(prompt_token_ids), info, self.defaults,
@@ -152,6 +158,7 @@ class EngineClient:
             # The scheduler aborts it at the deadline too, so its blocks are freed even if
             # this frontend is gone by then.
             deadline_unix_s=time.time() + timeout_s if timeout_s is not None else 0.0,
+            mm_items=mm_items,
         )
         telemetry.accepted(add)
         deadline = asyncio.get_running_loop().time() + timeout_s if timeout_s is not None else None
@@ -235,7 +242,10 @@ class EngineClient:
         if request.messages is not None:
             if not request.messages:
                 raise InvalidArgumentError("messages is empty: it must contain at least one message")
-            return await self.tokenizer.encode_chat(request.messages)
+            messages = request.messages
+            if request.images:  # the model's image token where each image goes
+                messages = image_inputs(self.config.model).with_image_tokens(messages, self.tokenizer.hf)
+            return await self.tokenizer.encode_chat(messages)
         if request.prompt_token_ids is not None:
             return list(request.prompt_token_ids)
         if not request.prompt_text:

@@ -44,6 +44,9 @@ class RequestLimits:
     max_stop_token_ids: int = _limit(256, "most stop token ids in one request")
     max_logprobs: int = _limit(20, "most alternatives per position (logprobs, top_logprobs)")
     max_batch_inputs: int = _limit(2048, "most embedding inputs, or documents to score, in one request")
+    max_image_bytes: int = _limit(16 * 2**20, "largest image file in bytes (data: URL decoded, or downloaded)")
+    max_image_pixels: int = _limit(2**24, "most pixels (width x height) in one image, checked before decoding")
+    max_image_fetch_seconds: int = _limit(10, "time limit for downloading one http(s) image URL")
 
     def __post_init__(self) -> None:
         for f in fields(self):

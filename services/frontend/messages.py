@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 from shared.errors import SpindleError
+from shared.execute import MultiModalItem
 from shared.sampling import SamplingOptions
 from shared.types import RequestKind, StopReason
 
@@ -61,6 +62,7 @@ class AddRequest:
     output_token_ids: list[int] = field(default_factory=list)  # already delivered (a re-submission)
     resumed: bool = False  # re-submitted after a reconnect: replaces the scheduler's copy
     shares_prompt_with: str = ""  # a later sample of an n > 1 request: the first sample's id
+    mm_items: list[MultiModalItem] = field(default_factory=list)  # images, in prompt order
 
 
 @dataclass(slots=True)
@@ -106,12 +108,18 @@ class SamplingRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) as the client sent them
 
 
+# Where an image goes in a chat message's text; replaced by the model's image token before the
+# chat template runs (a private-use character no tokenizer gives meaning to).
+IMAGE_MARKER = "\ue000"
+
+
 @dataclass(slots=True, frozen=True)
 class ChatMessage:
-    """One chat turn; content is plain text (multimodal parts are rejected by the HTTP layer)."""
+    """One chat turn; content is text, with `IMAGE_MARKER` where each of `images` goes."""
 
     role: str
     content: str
+    images: tuple[str, ...] = ()  # image URLs (data: or http(s):), in content order
 
 
 @dataclass(slots=True)
@@ -133,6 +141,7 @@ class GenerateInput:
     n: int = 1  # choices to return
     best_of: int | None = None  # candidates to generate, the n most likely returned; None: n
     echo: bool = False  # the prompt's text comes first in each choice (an `is_prompt` chunk)
+    images: list[str | bytes] = field(default_factory=list)  # URLs or image bytes, in prompt order
 
 
 @dataclass(slots=True, frozen=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from services.frontend.messages import ChatMessage, GenerateInput, SamplingRequest
+from services.frontend.messages import IMAGE_MARKER, ChatMessage, GenerateInput, SamplingRequest
 from services.frontend.validation import quote, show_number
 from shared.errors import InvalidArgumentError, PayloadTooLargeError
 
@@ -296,7 +296,8 @@ def parse_chat(data: object) -> OpenAIRequest:
                    "top_logprobs requires logprobs to be true")
     generate = GenerateInput(
         model=body.get_str("model") or "",
-        messages=[parse_message(m, i) for i, m in enumerate(raw_messages)],
+        messages=(messages := [parse_message(m, i) for i, m in enumerate(raw_messages)]),
+        images=[url for message in messages for url in message.images],
         sampling=_sampling(body, max_tokens, logprobs),
         skip_special_tokens=body.get_bool("skip_special_tokens", default=True),
         priority=body.get_int("priority") or 0,
@@ -318,7 +319,7 @@ def _max_completion_tokens(body: JsonObject) -> int | None:
 
 
 def parse_message(value: object, index: int) -> ChatMessage:
-    """messages[index] of a chat body (text parts only)."""
+    """messages[index] of a chat body: text and image_url parts (OpenAI's shape)."""
     where = f"messages[{index}]"
     message = JsonObject(value, where)
     role = message.get_str("role")
@@ -329,12 +330,25 @@ def parse_message(value: object, index: int) -> ChatMessage:
         return ChatMessage(role, content or "")
     if not isinstance(content, list):
         raise InvalidArgumentError(f"{where}.content must be a string or a list of parts, got {type_name(content)}")
-    texts = []
+    texts, images = [], []
     for j, part_value in enumerate(content):
         part = JsonObject(part_value, f"{where}.content[{j}]")
         kind = part.get_str("type")
+        if kind == "image_url":
+            images.append(_image_url(part, f"{where}.content[{j}].image_url"))
+            texts.append(IMAGE_MARKER)
+            continue
         if kind != "text":
             raise InvalidArgumentError(f"{where}.content[{j}]: part type {quote(kind or '')} is not supported; "
-                                       "only 'text'")
+                                       "only 'text' and 'image_url'")
         texts.append(part.get_str("text") or "")
-    return ChatMessage(role, "".join(texts))
+    return ChatMessage(role, "".join(texts), tuple(images))
+
+
+def _image_url(part: JsonObject, where: str) -> str:
+    """An image_url part's URL: {"url": "..."} (OpenAI), or the URL string itself."""
+    value = part.raw("image_url")
+    url = value if isinstance(value, str) else JsonObject(value, where).get_str("url")
+    if not url:
+        raise InvalidArgumentError(f"{where}.url is required")
+    return url

@@ -24,7 +24,7 @@ from services.frontend.messages import (
     Usage,
 )
 from shared.errors import ErrorKind, SpindleError, error_from_kind
-from shared.execute_wire import sampling_to_proto
+from shared.execute_wire import mm_item_to_proto, sampling_to_proto
 from shared.pb.spindle.v1 import common_pb2, generation_pb2, scheduler_pb2
 from shared.types import RequestKind, StopReason
 
@@ -46,6 +46,7 @@ def add_request_to_proto(r: AddRequest) -> scheduler_pb2.AddRequest:
         output_token_ids=r.output_token_ids,
         resumed=r.resumed,
         shares_prompt_with=r.shares_prompt_with,
+        mm_items=[mm_item_to_proto(item) for item in r.mm_items],
     )
 
 
@@ -147,6 +148,7 @@ def generate_input_from_proto(msg: generation_pb2.GenerateRequest) -> GenerateIn
         request_id=msg.request_id,
         n=msg.n or 1,
         echo=msg.echo,
+        images=list(msg.images),
     )
 
 
