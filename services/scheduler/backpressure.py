@@ -23,7 +23,9 @@ def queue_full_error(workers: Sequence[WorkerState], request: Request, config: S
     """Why `request` cannot join the waiting queues now, or None when it can."""
     if request.is_resumed:
         return None
-    num_requests = sum(len(ws.waiting) for ws in workers)
+    # Held samples of n > 1 requests count as waiting requests; not their tokens, since they
+    # will take the prompt from the prefix cache and prefill little.
+    num_requests = sum(len(ws.waiting) + len(ws.held) for ws in workers)
     if num_requests >= config.max_waiting_requests:
         return RequestError(ErrorKind.RESOURCE_EXHAUSTED, (
             f"the server is at capacity: {num_requests} requests are waiting, the limit is "

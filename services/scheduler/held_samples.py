@@ -53,6 +53,3 @@ class HeldSamples:
         if not group:
             del self._by_leader[leader_id]
         return True
-
-    def num_tokens(self) -> int:
-        return sum(r.num_tokens for group in self._by_leader.values() for r in group)
