@@ -226,13 +226,14 @@ class EngineClient:
                     started = time.perf_counter()
                     chunk = processor.process(updates)  # raises the scheduler's error, if any
                     if chunk is not None:
+                        chunk.index = index
                         telemetry.on_chunk(chunk, time.perf_counter() - started)
                 if echo is not None:
                     yield GenerateChunk(prepared.request_id, list(sample.add.prompt_token_ids), echo, index=index,
                                         is_prompt=True)
                     echo = None
                 if chunk is not None:
-                    chunk.index = index
+                    chunk.index = index  # (an abort's chunk too)
                     yield chunk
         complete = processor.complete()
         complete.index = index

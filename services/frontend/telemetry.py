@@ -68,7 +68,7 @@ class RequestTelemetry:
         self.traceparent = format_traceparent(span) if span is not None else client_traceparent
         self.request_id = ""
         self._arrival = time.monotonic()
-        self._last_output: float | None = None
+        self._last_output: dict[int, float] = {}  # per choice (n > 1): inter-token latency is per sequence
         self._detokenize_s = 0.0
         self._output_text: list[str] = []
         self._prompt_token_ids: Sequence[int] = ()
@@ -113,15 +113,16 @@ class RequestTelemetry:
         if not chunk.token_ids:
             return
         now = time.monotonic()
-        if self._last_output is None:
+        last = self._last_output.get(chunk.index)
+        if not self._last_output:
             ttft = now - self._arrival
             self._metrics.time_to_first_token.observe(ttft)
             if self.span is not None:
                 self.span.add_event("first_token", {"spindle.time_to_first_token_s": ttft})
                 self.span.set_attribute("spindle.time_to_first_token_s", ttft)
-        else:
-            self._metrics.inter_token_latency.observe(now - self._last_output)
-        self._last_output = now
+        elif last is not None:
+            self._metrics.inter_token_latency.observe(now - last)
+        self._last_output[chunk.index] = now
         if self._owner.log_requests:
             self._output_text.append(chunk.text)
 
