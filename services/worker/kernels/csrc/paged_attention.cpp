@@ -103,9 +103,9 @@ class ItemKernel {
     acc_.assign(nv * D, 0.0f);
     max_.assign(nv, -INFINITY);
     sum_.assign(nv, 0.0f);
-    k_t_.resize(D * BS);
+    k_.resize(BS * D);
     v_.resize(BS * D);
-    scores_.resize(BS);
+    scores_.resize(kHeadTile * BS);
     for (int64_t i = 0; i < nq; ++i) {  // queries in fp32, pre-scaled
       const q_t* src = query_ + (query_start_loc_[row] + q_begin + i) * s_.q_stride + kv_head * G * D;
       float* dst = q_.data() + i * G * D;
@@ -116,13 +116,20 @@ class ItemKernel {
     const int64_t lo = key_lo(first_pos + q_begin), hi = last_pos + 1;  // keys any query here sees
     const int64_t* table = block_tables_ + row * s_.bt_stride;
     for (int64_t b = lo / BS; b * BS < hi; ++b) {
-      const float* v = load_block(table[b], kv_head);
+      const Block block = load_block(table[b], kv_head);
       const int64_t j0 = b * BS;
       for (int64_t i = 0; i < nq; ++i) {
         const int64_t pos = first_pos + q_begin + i;
         const int64_t a = std::max(key_lo(pos), j0) - j0, e = std::min(pos + 1, j0 + BS) - j0;
         if (a >= e) continue;  // this block is outside query i's window or in its future
-        for (int64_t h = 0; h < G; ++h) accumulate((i * G + h), a, e, v);
+        for (int64_t h = 0; h < G; h += kHeadTile) {  // query heads of the group, up to 4 at once
+          switch (std::min<int64_t>(kHeadTile, G - h)) {
+            case 4: accumulate<4>(i * G + h, a, e, block); break;
+            case 3: accumulate<3>(i * G + h, a, e, block); break;
+            case 2: accumulate<2>(i * G + h, a, e, block); break;
+            default: accumulate<1>(i * G + h, a, e, block); break;
+          }
+        }
       }
     }
     for (int64_t i = 0; i < nq; ++i) {
@@ -137,44 +144,103 @@ class ItemKernel {
   }
 
  private:
+  // A block's keys and values as fp32 rows `stride` elements apart.
+  struct Block {
+    const float* k;
+    const float* v;
+    int64_t stride;
+  };
+
   int64_t key_lo(int64_t pos) const { return s_.window > 0 ? std::max<int64_t>(0, pos - s_.window + 1) : 0; }
 
-  // Keys of one block into k_t_ [D][BS] (transposed: scores vectorise over the block's keys
-  // with no horizontal sums), values as fp32 [BS][D]: read in place when the cache is fp32.
-  const float* load_block(int64_t block, int64_t kv_head) {
+  // An fp32 cache is read where it lies; other dtypes are converted once per block into an
+  // L1-resident buffer that every query vector of the item then reuses.
+  Block load_block(int64_t block, int64_t kv_head) {
     const int64_t D = s_.head_dim, BS = s_.block_size, tok = s_.num_kv_heads * D;
     const kv_t* k = cache_ + block * BS * tok + kv_head * D;
     const kv_t* v = k + s_.num_blocks * BS * tok;
-    for (int64_t j = 0; j < BS; ++j) {
-      const kv_t* kj = k + j * tok;
-      for (int64_t d = 0; d < D; ++d) k_t_[d * BS + j] = to_float(kj[d]);
-    }
     if constexpr (std::is_same_v<kv_t, float>) {
-      v_stride_ = tok;  // fp32 values are read where they lie
-      return v;
-    }
-    v_stride_ = D;
-    for (int64_t j = 0; j < BS; ++j) {
-      const kv_t* vj = v + j * tok;
-      float* dst = v_.data() + j * D;
+      return {k, v, tok};
+    } else {
+      for (int64_t j = 0; j < BS; ++j) {
+        float* dk = k_.data() + j * D;
+        float* dv = v_.data() + j * D;
+        const kv_t* sk = k + j * tok;
+        const kv_t* sv = v + j * tok;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) dst[d] = to_float(vj[d]);
+        for (int64_t d = 0; d < D; ++d) dk[d] = to_float(sk[d]);
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) dv[d] = to_float(sv[d]);
+      }
+      return {k_.data(), v_.data(), D};
     }
-    return v_.data();
   }
 
-  // Online softmax step of query vector `qv` over keys [a, e) of the loaded block.
-  void accumulate(int64_t qv, int64_t a, int64_t e, const float* v) {
+  // Online softmax step of the NH query vectors qv0.. (heads sharing one KV head) over keys
+  // [a, e) of the loaded block. Each key row is loaded once for all NH heads, and the fixed-size
+  // partial-sum arrays give the vectoriser NH x kLanes independent FMA chains (one chain per dot
+  // product would wait on FMA latency at every step).
+  template <int NH>
+  void accumulate(int64_t qv0, int64_t a, int64_t e, const Block& blk) {
     const int64_t D = s_.head_dim, BS = s_.block_size;
-    const float* q = q_.data() + qv * D;
-    float* s = scores_.data();
-    std::fill(s, s + BS, 0.0f);
-    for (int64_t d = 0; d < D; ++d) {
-      const float qd = q[d];
-      const float* kd = k_t_.data() + d * BS;
+    const float* q = q_.data() + qv0 * D;
+    float* s = scores_.data();  // [NH][BS]
+    for (int64_t j = a; j < e; ++j) {
+      const float* kj = blk.k + j * blk.stride;
+      float part[NH][kLanes] = {};
+      int64_t d0 = 0;
+      for (; d0 + kLanes <= D; d0 += kLanes) {
+        for (int h = 0; h < NH; ++h) {
+          const float* qh = q + h * D + d0;
+          float* ph = part[h];
 #pragma omp simd
-      for (int64_t j = 0; j < BS; ++j) s[j] += qd * kd[j];
+          for (int t = 0; t < kLanes; ++t) ph[t] += qh[t] * kj[d0 + t];
+        }
+      }
+      for (int h = 0; h < NH; ++h) {
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int t = 0; t < kLanes; ++t) dot += part[h][t];
+        for (int64_t d = d0; d < D; ++d) dot += q[h * D + d] * kj[d];  // head_dim not a multiple of kLanes
+        s[h * BS + j] = dot;
+      }
     }
+    float alpha[NH];
+    for (int h = 0; h < NH; ++h) alpha[h] = softmax_step(qv0 + h, s + h * BS, a, e);
+    float* acc = acc_.data() + qv0 * D;
+    int64_t d0 = 0;
+    for (; d0 + kLanes <= D; d0 += kLanes) {  // NH x kLanes accumulators stay in registers over the keys
+      float x[NH][kLanes];
+      for (int h = 0; h < NH; ++h) {
+#pragma omp simd
+        for (int t = 0; t < kLanes; ++t) x[h][t] = acc[h * D + d0 + t] * alpha[h];
+      }
+      for (int64_t j = a; j < e; ++j) {
+        const float* vj = blk.v + j * blk.stride + d0;
+        for (int h = 0; h < NH; ++h) {
+          const float p = s[h * BS + j];
+          float* xh = x[h];
+#pragma omp simd
+          for (int t = 0; t < kLanes; ++t) xh[t] += p * vj[t];
+        }
+      }
+      for (int h = 0; h < NH; ++h) {
+#pragma omp simd
+        for (int t = 0; t < kLanes; ++t) acc[h * D + d0 + t] = x[h][t];
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      for (int64_t d = d0; d < D; ++d) {
+        float x = acc[h * D + d] * alpha[h];
+        for (int64_t j = a; j < e; ++j) x += s[h * BS + j] * blk.v[j * blk.stride + d];
+        acc[h * D + d] = x;
+      }
+    }
+  }
+
+  // Turns scores s[a, e) of query vector `qv` into weights against its new running max, adds
+  // them to its running sum, and returns the factor that rescales its accumulator.
+  float softmax_step(int64_t qv, float* s, int64_t a, int64_t e) {
     if (s_.softcap > 0.0f) {
       for (int64_t j = a; j < e; ++j) s[j] = s_.softcap * std::tanh(s[j] / s_.softcap);
     }
@@ -190,16 +256,11 @@ class ItemKernel {
     }
     max_[qv] = new_max;
     sum_[qv] = sum_[qv] * alpha + block_sum;
-    float* acc = acc_.data() + qv * D;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
-    for (int64_t j = a; j < e; ++j) {
-      const float p = s[j];
-      const float* vj = v + j * v_stride_;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) acc[d] += p * vj[d];
-    }
+    return alpha;
   }
+
+  static constexpr int kHeadTile = 4;  // query heads per pass over a block (GQA group tile)
+  static constexpr int kLanes = 16;    // fp32 lanes per partial sum: two AVX2 or one AVX-512 register
 
   const Shape& s_;
   const q_t* query_;
@@ -208,8 +269,7 @@ class ItemKernel {
   const int64_t* block_tables_;
   const int64_t* seq_lens_;
   const int64_t* query_start_loc_;
-  std::vector<float> q_, acc_, max_, sum_, k_t_, v_, scores_;
-  int64_t v_stride_ = 0;  // elements between the loaded block's value rows
+  std::vector<float> q_, acc_, max_, sum_, k_, v_, scores_;
 };
 
 // Stores this pass's keys and values at their slots, converting to the cache's dtype.

@@ -1,0 +1,138 @@
+"""Decode step time, padded `sdpa` vs the in-place `paged` CPU backend, side by side in one run.
+
+Two batch shapes of 64 rows on the medium benchmark model (hidden 1024, 8 layers, 16 query / 4
+KV heads of 64), fp32, one new token per row:
+
+- equal: every row has the same context (`--contexts`, each a shape);
+- skewed: one row of `--long` tokens and 63 of `--short` (issue 14: with a gathered, padded
+  KV one long request makes the whole batch pay for its length).
+
+For each it times (1) the attention of one step (8 layers: KV write plus attention, metadata
+built once) and (2) the model's whole decode forward pass, median of `--repeats` runs after a
+warm-up. The cache's blocks are shuffled over the pool, as a busy server leaves them.
+
+    python -m benchmarks.attention_bench
+    python -m benchmarks.attention_bench --contexts 128,1024 --long 2048 --short 128 --repeats 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from benchmarks.limit import machine_cores
+from benchmarks.models import ensure_model
+from services.worker.attention import AttentionBackend, AttentionType, CommonAttentionMetadata, create_backend
+from services.worker.models.loader import load_model
+
+BLOCK_SIZE = 16
+BACKENDS = ("sdpa", "paged")
+
+
+def decode_metadata(seq_lens: np.ndarray, num_blocks: int, seed: int = 0) -> CommonAttentionMetadata:
+    """One decode token per row; blocks drawn at random from the pool."""
+    rng = np.random.default_rng(seed)
+    blocks_per_row = -(-seq_lens // BLOCK_SIZE)
+    pool = rng.permutation(num_blocks)[: blocks_per_row.sum()]
+    tables = np.zeros((len(seq_lens), blocks_per_row.max()), np.int64)
+    starts = np.cumsum(blocks_per_row) - blocks_per_row
+    for r, n in enumerate(blocks_per_row):
+        tables[r, :n] = pool[starts[r] : starts[r] + n]
+    pos = seq_lens - 1
+    slots = tables[np.arange(len(seq_lens)), pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+    ones = np.ones(len(seq_lens), np.int64)
+    return CommonAttentionMetadata(
+        attn_type=AttentionType.DECODER,
+        num_reqs=len(seq_lens),
+        num_tokens=len(seq_lens),
+        max_query_len=1,
+        max_seq_len=int(seq_lens.max()),
+        query_start_loc=torch.arange(len(seq_lens) + 1),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int64)),
+        query_lens_host=ones,
+        seq_lens_host=seq_lens.astype(np.int64),
+        block_tables=torch.from_numpy(tables),
+        slot_mapping=torch.from_numpy(slots),
+    )
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up (allocator, first-touch of the cache pages)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def time_shape(model: torch.nn.Module, backends: dict[str, AttentionBackend], seq_lens: np.ndarray,
+               repeats: int) -> dict[str, tuple[float, float]]:
+    """backend -> (attention ms per step over all layers, whole forward ms per step)."""
+    config = model.config
+    num_blocks = int((-(-seq_lens // BLOCK_SIZE)).sum()) + 8
+    shape = (2, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+    caches = [torch.randn(shape) for _ in range(config.num_layers)]
+    common = decode_metadata(seq_lens, num_blocks)
+    gen = torch.Generator().manual_seed(0)
+    t, h, kvh, d = len(seq_lens), config.num_heads, config.num_kv_heads, config.head_dim
+    q, k, v = (torch.randn(t, n, d, generator=gen) for n in (h, kvh, kvh))
+    ids = torch.randint(0, config.vocab_size, (t,), generator=gen)
+    positions = torch.from_numpy(seq_lens - 1)
+    spec = model.layers[0].self_attn.spec
+    results = {}
+    for name, backend in backends.items():
+        builder = backend.metadata_builder()
+
+        def attention(backend: AttentionBackend = backend, builder=builder) -> None:
+            meta = builder.build(common, [])
+            for cache in caches:
+                backend.forward(spec, q, k, v, cache, meta)
+
+        def forward(backend: AttentionBackend = backend, builder=builder) -> None:
+            for layer in model.layers:
+                layer.self_attn.backend = backend
+            model(ids, positions, caches, builder.build(common, []))
+
+        with torch.inference_mode():
+            results[name] = (median_ms(attention, repeats), median_ms(forward, repeats))
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.attention_bench", description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", default="256,1024", help="comma list: equal-context shapes")
+    p.add_argument("--long", type=int, default=2048, help="the long row of the skewed shape")
+    p.add_argument("--short", type=int, default=128, help="the 63 short rows of the skewed shape")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--threads", type=int, default=machine_cores())
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    model = load_model(ensure_model("medium"), create_backend("sdpa", BLOCK_SIZE), torch.float32,
+                       torch.device("cpu"))
+    backends = {name: create_backend(name, BLOCK_SIZE) for name in BACKENDS}
+    shapes = [(f"equal {a.batch} x {c}", np.full(a.batch, int(c))) for c in a.contexts.split(",") if c]
+    shapes.append((f"skewed 1 x {a.long} + {a.batch - 1} x {a.short}",
+                   np.array([a.long] + [a.short] * (a.batch - 1))))
+    out = sys.stdout
+    out.write(f"medium model, fp32, {a.threads} threads, decode step of {a.batch} rows, median of {a.repeats}\n")
+    out.write("| shape | attention sdpa ms | attention paged ms | speed-up "
+              "| step sdpa ms | step paged ms | speed-up |\n")
+    out.write("| --- | --- | --- | --- | --- | --- | --- |\n")
+    for label, seq_lens in shapes:
+        r = time_shape(model, backends, seq_lens, a.repeats)
+        (att_s, step_s), (att_p, step_p) = r["sdpa"], r["paged"]
+        out.write(f"| {label} | {att_s:.2f} | {att_p:.2f} | {att_s / att_p:.2f}x | {step_s:.1f} | {step_p:.1f} | "
+                  f"{step_s / step_p:.2f}x |\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    main()
