@@ -23,8 +23,10 @@ from worker_harness import ToyScheduler, make_runner, prefill_logits
 
 from services.worker.attention.naive import create as create_naive
 from services.worker.attention.padded import PaddedBackend
+from services.worker.config import WorkerConfig
 from services.worker.kernels.build import kernels_error
 from services.worker.models.loader import load_model, parse_config, read_hf_config
+from services.worker.worker import Worker
 from shared.tiny_families import FAMILY_CONFIGS, build_family
 
 FAMILIES = sorted(FAMILY_CONFIGS)
@@ -165,3 +167,17 @@ def test_a_backend_without_softcapping_refuses_gemma2_at_start_up(family_models:
         load_model(family_models["gemma2"], backend, torch.float32, torch.device("cpu"))
     llama = load_model(family_models["llama3"], backend, torch.float32, torch.device("cpu"))
     assert llama.config.rope.rope_type == "llama3"  # only the option it lacks is refused
+
+
+def test_scaled_context_is_what_the_worker_serves(family_models: dict[str, Path]) -> None:
+    """YaRN and linear scaling extend the context; dynamic NTK is served within its window only."""
+
+    def worker(family: str, max_model_len: int | None = None) -> Worker:
+        config = WorkerConfig(model=str(family_models[family]), max_model_len=max_model_len, num_threads=2)
+        return Worker(config)
+
+    assert worker("qwen2.5-yarn").info.max_model_len == 128  # original 32 x factor 4
+    assert worker("llama-linear").info.max_model_len == 192  # 48 x 4
+    assert worker("llama-dynamic").info.max_model_len == 256
+    with pytest.raises(ValueError, match="max_model_len=257 exceeds the model's 256 positions"):
+        worker("llama-dynamic", 257)
