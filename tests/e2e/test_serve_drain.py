@@ -22,8 +22,9 @@ pytestmark = pytest.mark.e2e
 
 def test_sigterm_lets_every_stream_in_flight_finish(tiny_models: dict[str, Path]) -> None:
     model = tiny_models["llama"]
-    jobs = [(prompt, 200 + max_tokens) for prompt, max_tokens in jobs_for(43, count=16, max_out=100)]
-    with spindle_serve(model, "--shutdown-grace-s", "30") as server:
+    jobs = [(prompt, 300 + max_tokens) for prompt, max_tokens in jobs_for(43, count=12, max_out=100)]
+    # Two at a time, so draining takes seconds: longer than a worker's own gRPC stop grace (5 s).
+    with spindle_serve(model, "--shutdown-grace-s", "40", "--max-num-seqs", "2") as server:
         results = run_with_fault(server, jobs, lambda: os.kill(server.process.pid, signal.SIGTERM))
         assert server.process.wait(timeout=60) == 0, "spindle serve exits cleanly once drained"
     assert all(r.finish_reason in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH") for r in results), results
