@@ -259,13 +259,13 @@ class EngineClient:
         return await self.tokenizer.tokenize(text, add_special_tokens)
 
     async def tokenize_chat(self, model: str, messages: list[ChatMessage], add_generation_prompt: bool,
-                            ) -> TokenizeResult:
+                            add_special_tokens: bool = False) -> TokenizeResult:
         """The token ids a chat request with these messages would have as its prompt."""
         check_model(model, self.model_name)
         check_generate_sizes(GenerateInput(messages=messages), self.config.limits)
         if not messages:
             raise InvalidArgumentError("messages is empty: it must contain at least one message")
-        ids = await self.tokenizer.encode_chat(messages, add_generation_prompt)
+        ids = await self.tokenizer.encode_chat(messages, add_generation_prompt, add_special_tokens)
         return TokenizeResult(token_ids=ids, tokens=[self.tokenizer.token_text(i) for i in ids])
 
     async def detokenize(self, model: str, token_ids: list[int]) -> str:

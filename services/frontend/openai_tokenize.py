@@ -25,11 +25,9 @@ async def tokenize(request: web.Request) -> web.Response:
     if raw_messages is not None:
         if not isinstance(raw_messages, list):
             raise InvalidArgumentError(f"messages must be a list of messages, got {type_name(raw_messages)}")
-        if body.get_bool("add_special_tokens"):
-            raise InvalidArgumentError("add_special_tokens with messages is not supported: the chat template "
-                                       "already holds the model's special tokens")
         messages = [parse_message(m, i) for i, m in enumerate(raw_messages)]
-        result = await engine.tokenize_chat(model, messages, body.get_bool("add_generation_prompt", default=True))
+        result = await engine.tokenize_chat(model, messages, body.get_bool("add_generation_prompt", default=True),
+                                            body.get_bool("add_special_tokens"))
     else:
         prompt = body.get_str("prompt")
         if prompt is None:

@@ -66,10 +66,12 @@ class Tokenizer:
         except Exception as exc:  # jinja2 errors raised by the template itself (e.g. role order)
             raise InvalidArgumentError(f"messages: the chat template rejected them: {exc}") from exc
 
-    async def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    async def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                          add_special_tokens: bool = False) -> list[int]:
         """Apply the model's chat template (with the generation prompt) and tokenize the result.
 
-        The rendered template already holds the special tokens (BOS), so none are added again.
+        The rendered template already holds the special tokens (BOS), so none are added again
+        unless `add_special_tokens` (vLLM's /tokenize option) asks for them.
         """
         if not self.has_chat_template:
             raise InvalidArgumentError(
@@ -77,7 +79,7 @@ class Tokenizer:
                 "use /v1/completions with a prompt instead"
             )
         text = await self._run(functools.partial(self._render_chat, messages, add_generation_prompt))
-        return await self.encode(text, add_special_tokens=False)
+        return await self.encode(text, add_special_tokens=add_special_tokens)
 
     def _encode_batch(self, texts: list[str] | list[tuple[str, str]], max_length: int | None) -> list[Encoded]:
         out = self.hf(texts, add_special_tokens=True, truncation="longest_first" if max_length else False,
