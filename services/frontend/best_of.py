@@ -8,6 +8,7 @@ candidate's tokens count in the usage: they were generated.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 
@@ -25,12 +26,13 @@ async def pick_best(events: AsyncIterator[GenerateEvent], n: int, keep_logprobs:
     chunks: dict[int, list[GenerateChunk]] = {}
     completes: list[GenerateComplete] = []
     total = None
-    async for event in events:
-        if isinstance(event, GenerateChunk):
-            chunks.setdefault(event.index, []).append(event)
-        else:
-            completes.append(event)
-            total = event.total_usage or total
+    async with contextlib.aclosing(events):  # type: ignore[type-var]  # closing this aborts the candidates now
+        async for event in events:
+            if isinstance(event, GenerateChunk):
+                chunks.setdefault(event.index, []).append(event)
+            else:
+                completes.append(event)
+                total = event.total_usage or total
     ranked = sorted(completes, key=lambda c: (-_score(c), c.index))[:n]
     for new_index, complete in enumerate(ranked):
         for chunk in chunks.get(complete.index, ()):

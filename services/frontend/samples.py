@@ -49,14 +49,18 @@ def total_usage(usages: Sequence[Usage]) -> Usage:
 
 
 async def with_total_usage(events: AsyncIterator[GenerateEvent], num_samples: int) -> AsyncIterator[GenerateEvent]:
-    """`events`, with `total_usage` set on the GenerateComplete of the sample that finishes last."""
+    """`events`, with `total_usage` set on the GenerateComplete of the sample that finishes last.
+
+    Closing it closes `events` at once (so their requests are aborted now, not when collected).
+    """
     usages: dict[int, Usage] = {}
-    async for event in events:
-        if isinstance(event, GenerateComplete):
-            usages[event.index] = event.usage
-            if len(usages) == num_samples:
-                event.total_usage = total_usage([usages[i] for i in sorted(usages)])
-        yield event
+    async with contextlib.aclosing(events):  # type: ignore[type-var]
+        async for event in events:
+            if isinstance(event, GenerateComplete):
+                usages[event.index] = event.usage
+                if len(usages) == num_samples:
+                    event.total_usage = total_usage([usages[i] for i in sorted(usages)])
+            yield event
 
 
 class _Done:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -11,7 +12,7 @@ from openai import AsyncOpenAI
 
 from services.frontend.best_of import pick_best
 from services.frontend.messages import FinishReason, GenerateChunk, GenerateComplete, GenerateEvent, Usage
-from services.frontend.samples import merge
+from services.frontend.samples import merge, with_total_usage
 from services.frontend.server import Frontend
 from shared.pb.spindle.v1 import common_pb2
 from tests.frontend.conftest import MODEL_NAME
@@ -105,3 +106,27 @@ async def test_pick_best_ranks_by_logprob_per_token_and_counts_every_candidate()
         ("GenerateChunk", 0, "text1"), ("GenerateComplete", 0, ""), ("GenerateChunk", 1, "text2"),
         ("GenerateComplete", 1, "")]
     assert picked[1].total_usage is None and picked[3].total_usage == Usage(3, 10)  # type: ignore[union-attr]
+
+
+async def test_closing_the_events_closes_every_sample_at_once() -> None:
+    closed: list[int] = []
+
+    async def sample(index: int) -> AsyncIterator[GenerateEvent]:
+        try:
+            while True:
+                await asyncio.sleep(0.01)
+                yield GenerateChunk("r", [5], "x", index=index)
+        finally:
+            closed.append(index)
+
+    for events in (with_total_usage(merge([sample(0), sample(1)]), 2),
+                   pick_best(with_total_usage(sample(2), 1), 1, keep_logprobs=False)):
+        task = asyncio.ensure_future(anext(events))
+        await asyncio.sleep(0.05)
+        if task.done():
+            await events.aclose()  # the client left between two events
+        else:
+            task.cancel()  # the client left while waiting for one (best_of buffers)
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    assert sorted(closed) == [0, 1, 2]
