@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from services.scheduler.request import RequestStatus
 from services.scheduler.scheduler import Scheduler
+from services.scheduler.worker_state import WorkerState
 from shared.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
 
 STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -68,11 +69,13 @@ class SchedulerStateCollector(Collector):
         healthy = GaugeMetricFamily("spindle:worker_healthy", "1 while the worker's stream is up, else 0",
                                     labels=labels)
         rounds = CounterMetricFamily("spindle:worker_rounds", "Rounds sent to the worker", labels=labels)
+        encoder = EncoderCacheMetrics(labels)
         for ws in scheduler.workers:
             key = [scheduler.model_id, str(ws.index)]
             healthy.add_metric(key, 1.0 if ws.is_alive else 0.0)
             preemptions.add_metric(key, ws.num_preemptions)
             rounds.add_metric(key, ws.num_rounds)
+            encoder.add(key, ws)
             kv = ws.kv
             if kv is None:
                 continue
@@ -82,6 +85,31 @@ class SchedulerStateCollector(Collector):
             hits.add_metric(key, kv.num_hit_tokens)
             hit_rate.add_metric(key, kv.num_hit_tokens / kv.num_query_tokens if kv.num_query_tokens else 0.0)
         yield from (usage, blocks, queries, hits, hit_rate, preemptions, healthy, rounds)
+        yield from encoder.families()
+
+
+class EncoderCacheMetrics:
+    """Per-worker encoder-cache families (vision-language models; empty for others)."""
+
+    def __init__(self, labels: list[str]) -> None:
+        self.usage = GaugeMetricFamily("spindle:encoder_cache_usage_perc",
+                                       "Fraction of the worker's encoder-cache budget holding image features (0-1)",
+                                       labels=labels)
+        self.encoded = CounterMetricFamily("spindle:encoder_items_encoded", "Images the worker was told to encode",
+                                           labels=labels)
+        self.hits = CounterMetricFamily("spindle:encoder_cache_hits",
+                                        "Images a chunk needed that were cached or being encoded already",
+                                        labels=labels)
+
+    def add(self, key: list[str], ws: WorkerState) -> None:
+        if ws.encoder is None:
+            return
+        self.usage.add_metric(key, ws.encoder.usage)
+        self.encoded.add_metric(key, ws.encoder.num_encoded)
+        self.hits.add_metric(key, ws.encoder.num_hits)
+
+    def families(self) -> tuple[GaugeMetricFamily, CounterMetricFamily, CounterMetricFamily]:
+        return self.usage, self.encoded, self.hits
 
 
 class SchedulerMetrics:

@@ -9,6 +9,7 @@ content, not request, so identical images in concurrent requests are encoded onc
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,6 +30,7 @@ class EncoderCache:
         self.features: dict[str, torch.Tensor] = {}
         self.num_tokens = 0
         self.num_encoded = 0  # items encoded since start (tests, metrics)
+        self.last_encode_seconds = 0.0  # the last round's encoder time (telemetry)
         self._items: dict[str, list[MultiModalItem]] = {}  # request id -> its items
         self._pixels: dict[str, MultiModalItem] = {}  # hash -> an item carrying its pixels
 
@@ -71,7 +73,10 @@ class EncoderCache:
                 f"round {round_.round_id} would fill the encoder cache to {needed} tokens; it holds "
                 f"{self.capacity_tokens}"
             )
-        for h, features in zip(todo, self._encode(items), strict=True):
+        started = time.perf_counter()
+        encoded = self._encode(items)
+        self.last_encode_seconds = time.perf_counter() - started
+        for h, features in zip(todo, encoded, strict=True):
             self.features[h] = features
             self.num_tokens += features.shape[0]
         self.num_encoded += len(todo)

@@ -86,6 +86,9 @@ class RoundPipeline:
                 if self._num_rounds_run == self._fail_round:
                     raise RuntimeError(f"injected fault: round {self._num_rounds_run} of this worker fails")
                 self.runner.execute_round(round_, on_timed_step)
+                encoder = getattr(self.runner, "encoder_cache", None)  # vision-language models only
+                if encoder is not None and round_.encoder_hashes:
+                    trace.encoder_done(len(round_.encoder_hashes), encoder.last_encode_seconds, encoder.num_tokens)
                 trace.end()
             except Exception as exc:
                 trace.end(exc)

@@ -37,6 +37,11 @@ class WorkerMetrics:
                                         buckets=LATENCY_BUCKETS, registry=r)
         self.rounds_failed = Counter("spindle:worker_rounds_failed", "Rounds that raised", registry=r)
         self.ready = Gauge("spindle:worker_ready", "1 once the model is loaded and rounds can run", registry=r)
+        self.encoder_duration = Histogram("spindle:worker_encoder_duration_seconds",
+                                          "Encoding one round's images (vision-language models)",
+                                          buckets=STEP_BUCKETS, registry=r)
+        self.encoder_cache_tokens = Gauge("spindle:worker_encoder_cache_tokens",
+                                          "Feature tokens of image encoder outputs the worker holds", registry=r)
 
 
 class RoundTrace:
@@ -54,6 +59,14 @@ class RoundTrace:
         now = time.perf_counter()
         self._metrics.step_duration.observe(now - self._last)
         self._last = now
+
+    def encoder_done(self, num_images: int, seconds: float, cache_tokens: int) -> None:
+        """The round's images were encoded before step 0: histogram, gauge and an `encoder` span event."""
+        self._metrics.encoder_duration.observe(seconds)
+        self._metrics.encoder_cache_tokens.set(cache_tokens)
+        if self._span is not None:
+            self._span.add_event("encoder", {"spindle.num_images": num_images, "spindle.encoder_seconds": seconds,
+                                             "spindle.encoder_cache_tokens": cache_tokens})
 
     def end(self, error: BaseException | None = None) -> None:
         self._metrics.round_duration.observe(time.perf_counter() - self._start)
@@ -101,6 +114,8 @@ class WorkerTelemetry:
             "spindle.num_requests": len(served),
             "spindle.num_new_requests": len(round_.new_requests) + len(round_.pooling_requests),
             "spindle.num_scheduled_tokens": sum(round_.num_scheduled_tokens),
+            "spindle.num_images_to_encode": len(round_.encoder_hashes),
+            "spindle.num_encoder_frees": len(round_.encoder_free_hashes),
         })
         for request in round_.pooling_requests:  # prefill-only: nothing follows this round
             known.pop(request.request_id, None)

@@ -11,6 +11,7 @@ import pytest
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.encoder_budget import derive_encoder_budget
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.updates import RequestUpdate, UpdateSink
@@ -213,3 +214,21 @@ def test_encoder_outputs_are_released_on_abort_and_preemption() -> None:
     sched.abort_request("r", UpdateSink())
     assert not encoder.entries and encoder.num_used_tokens == 0
     assert encoder.take_frees() == ["cat"]
+
+
+def test_encoder_cache_metrics_follow_the_cache() -> None:
+    sched, worker = make(max_num_batched_tokens=6)
+    metrics = SchedulerMetrics(lambda: sched)
+    driver = Driver(sched, worker)
+
+    def value(name: str) -> float:
+        got = metrics.registry.get_sample_value(name, {"model_name": "fake", "worker": "0"})
+        assert got is not None, name
+        return got
+
+    assert driver.add(vlm_request("r", list(range(20, 40)), [image("cat", 4)], max_tokens=2)) is None
+    driver.round()  # chunk [0, 6) holds the image
+    assert value("spindle:encoder_cache_usage_perc") == pytest.approx(8 / sched.workers[0].encoder.budget.cache_tokens)
+    driver.run()
+    assert value("spindle:encoder_cache_usage_perc") == 0.0
+    assert value("spindle:encoder_items_encoded_total") == 1

@@ -23,6 +23,7 @@ from services.worker.attention import create_backend
 from services.worker.kv_cache import allocate_kv_caches
 from services.worker.model_runner import ModelRunner
 from services.worker.models.loader import load_model, parse_config, read_hf_config
+from services.worker.telemetry import WorkerMetrics, WorkerTelemetry
 from shared.errors import InvalidArgumentError
 from shared.execute import CachedRequestData, ExecuteRound, MultiModalItem, NewRequestData
 from shared.sampling import SamplingOptions
@@ -149,6 +150,7 @@ def test_greedy_tokens_match_transformers(vlm_dir: Path, backend: str) -> None:
     assert runner.encoder_cache is not None
     assert runner.encoder_cache.num_encoded == 2  # cat once for all three requests, dog once
     assert runner.encoder_cache.num_tokens == 0  # every output freed after its last chunk
+    assert runner.encoder_cache.last_encode_seconds > 0
 
 
 def test_round_needing_an_uncached_image_is_rejected(vlm_dir: Path) -> None:
@@ -161,3 +163,12 @@ def test_round_needing_an_uncached_image_is_rejected(vlm_dir: Path) -> None:
                        cached_requests=CachedRequestData(), num_scheduled_tokens=[len(ids)])
     with pytest.raises(InvalidArgumentError, match="not cached"):
         runner.execute_round(rnd, lambda step: None)
+
+
+def test_encoder_telemetry_records_time_and_cache_size() -> None:
+    metrics = WorkerMetrics()
+    trace = WorkerTelemetry(metrics=metrics).start_round(ExecuteRound(round_id=0, encoder_hashes=["a"]))
+    trace.encoder_done(1, 0.002, 16)
+    trace.end()
+    assert metrics.registry.get_sample_value("spindle:worker_encoder_duration_seconds_count") == 1
+    assert metrics.registry.get_sample_value("spindle:worker_encoder_cache_tokens") == 16
