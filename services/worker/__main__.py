@@ -78,6 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV cache budget on CPU [SPINDLE_KV_CACHE_BYTES]",
     )
     parser.add_argument(
+        "--encoder-cache-bytes",
+        type=int,
+        default=int(_env("ENCODER_CACHE_BYTES", str(256 * 1024 * 1024))),
+        help="memory for cached image features of vision-language models; must hold the scheduler's "
+        "encoder budget [SPINDLE_ENCODER_CACHE_BYTES]",
+    )
+    parser.add_argument(
         "--gpu-memory-fraction",
         type=float,
         default=float(_env("GPU_MEMORY_FRACTION", "0.9")),
@@ -124,6 +131,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         attention_backend=args.attention_backend,
         block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_bytes,
+        encoder_cache_bytes=args.encoder_cache_bytes,
         gpu_memory_fraction=args.gpu_memory_fraction,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
