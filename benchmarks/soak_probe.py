@@ -90,7 +90,9 @@ class Probe:
         self.launcher_pid = launcher_pid
         self.metrics_port = metrics_port
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
-        scheduler = next(p for p in service_processes(launcher_pid) if p.name == "scheduler")
+        scheduler = next((p for p in service_processes(launcher_pid) if p.name == "scheduler"), None)
+        if scheduler is None:
+            raise RuntimeError(f"spindle serve (pid {launcher_pid}) runs no scheduler process")
         self._channel = grpc.aio.insecure_channel(flag(scheduler.cmdline, "--listen"))
         self.scheduler = scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
 
