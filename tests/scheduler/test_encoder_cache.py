@@ -7,6 +7,8 @@ its "model" mixes each image's content into the KV values, so outputs prove corr
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from services.scheduler.config import SchedulerConfig
@@ -232,3 +234,11 @@ def test_encoder_cache_metrics_follow_the_cache() -> None:
     driver.run()
     assert value("spindle:encoder_cache_usage_perc") == 0.0
     assert value("spindle:encoder_items_encoded_total") == 1
+
+
+def test_images_survive_the_journal() -> None:
+    item = MultiModalItem("cat", 2, 8, b"\x00\x01\xfe\xff" * 3, (3, 1, 1))
+    request = vlm_request("r", list(range(20, 40)), [item])
+    data = request.to_dict()
+    assert json.loads(json.dumps(data)) == data  # plain data only
+    assert Request.from_dict(data).mm_items == (item,)
