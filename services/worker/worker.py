@@ -220,6 +220,8 @@ class Worker:
         free, total = torch.cuda.mem_get_info(self.device)
         outside_torch = total - free - torch.cuda.memory_reserved(self.device)
         budget = int(total * cfg.gpu_memory_fraction - peak - outside_torch)
+        if isinstance(self.model_config, LlavaModelConfig):
+            budget -= cfg.encoder_cache_bytes  # image features live beside the KV cache
         logger.info(
             "profiled peak %.2f GiB of %.2f GiB; KV budget %.2f GiB",
             peak / 2**30,
