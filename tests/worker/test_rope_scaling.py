@@ -103,12 +103,13 @@ def test_cos_sin_tables_equal_transformers_past_the_original_window(case: str) -
         assert torch.equal(sin[start:stop], hf_sin[0]), f"sin rows {start}..{stop}"
 
 
-def test_served_positions_follow_the_scaling() -> None:
+def test_served_positions_follow_the_scaling(caplog: pytest.LogCaptureFixture) -> None:
     assert _ours("linear").max_positions == 48 * 4
     assert _ours("yarn").max_positions == 32 * 4  # original window x factor, as vLLM derives it
     assert _ours("llama3").max_positions == 1024  # Llama 3.1 configs already state the long context
     assert _ours("longrope").max_positions == 1024
     assert _ours("dynamic").max_positions == 256  # dynamic NTK is served within its window only
+    assert "'dynamic' is served within max_position_embeddings=256 only" in caplog.text
     assert _ours("longrope-partial").rotary_dim == 12  # partial_rotary_factor 0.75 of head_dim 16
 
 

@@ -31,11 +31,14 @@ Anything else (`mrope`, `proportional`, unknown names) is a ValueError naming th
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -122,6 +125,13 @@ def parse_rope(hf: dict[str, Any], head_dim: int, aliases: dict[str, str] | None
         short_factor=tuple(float(x) for x in params.get("short_factor") or ()),
         long_factor=tuple(float(x) for x in params.get("long_factor") or ()),
     )
+    if rope_type == "dynamic":
+        logger.warning(
+            "rope_scaling 'dynamic' is served within max_position_embeddings=%d only (exactly default RoPE "
+            "there); transformers' extension past it depends on each sequence's history, which a shared "
+            "paged KV cache cannot reproduce",
+            max_pos,
+        )
     if rope_type == "longrope" and not (
         len(config.short_factor) == len(config.long_factor) == config.rotary_dim // 2
     ):
