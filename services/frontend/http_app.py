@@ -114,6 +114,18 @@ async def _stream(http_request: web.Request, formatter: ResponseFormatter, event
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(http_request)
     try:
+        await _stream_events(response, formatter, events, event, include_usage, n)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:  # the client hung up mid-stream: routine; the caller's aclosing() aborts it
+        logger.debug("%s %s: client disconnected mid-stream", http_request.method, http_request.path)
+    return response
+
+
+async def _stream_events(response: web.StreamResponse, formatter: ResponseFormatter,
+                         events: AsyncIterator[GenerateEvent], event: GenerateEvent, include_usage: bool,
+                         n: int) -> None:
+    try:
         for start in formatter.start_chunks(n):
             await _send(response, start)
         while True:
@@ -124,13 +136,10 @@ async def _stream(http_request: web.Request, formatter: ResponseFormatter, event
                 if event.total_usage is not None:  # the last choice to finish
                     if include_usage:
                         await _send(response, formatter.usage_chunk(event.total_usage))
-                    break
+                    return
             event = await anext(events)
     except SpindleError as exc:  # after the 200: report it in the stream, as OpenAI does
         await _send(response, error_body(exc, http_status(exc)))
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
 
 
 async def _send(response: web.StreamResponse, body: object) -> None:
