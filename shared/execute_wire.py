@@ -6,6 +6,7 @@ scheduler-worker protocol.
 
 from __future__ import annotations
 
+from shared.errors import InvalidArgumentError
 from shared.execute import (
     CachedRequestData,
     ExecuteRound,
@@ -15,6 +16,7 @@ from shared.execute import (
     StepOutput,
     WorkerInfo,
 )
+from shared.grammar import Grammar, GrammarKind
 from shared.pb.spindle.v1 import common_pb2, worker_pb2
 from shared.sampling import SamplingOptions
 from shared.types import RequestKind
@@ -39,6 +41,9 @@ def sampling_to_proto(options: SamplingOptions) -> common_pb2.SamplingOptions:
         msg.seed = options.seed
     if options.logprobs is not None:
         msg.logprobs = options.logprobs
+    if options.grammar is not None:
+        msg.grammar.kind = options.grammar.kind.value
+        msg.grammar.spec = options.grammar.spec
     return msg
 
 
@@ -58,7 +63,16 @@ def sampling_from_proto(msg: common_pb2.SamplingOptions) -> SamplingOptions:
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
+        grammar=grammar_from_proto(msg.grammar) if msg.HasField("grammar") else None,
     )
+
+
+def grammar_from_proto(msg: common_pb2.GrammarSpec) -> Grammar:
+    try:
+        kind = GrammarKind(msg.kind)
+    except ValueError:
+        raise InvalidArgumentError(f"unknown grammar kind {msg.kind!r}") from None
+    return Grammar(kind, msg.spec)
 
 
 def mm_item_to_proto(item: MultiModalItem) -> common_pb2.MultiModalItem:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.grammar import Grammar
+
 
 @dataclass(slots=True, frozen=True)
 class SamplingOptions:
@@ -28,6 +30,8 @@ class SamplingOptions:
     logprobs: int | None = None  # None: no logprobs; N: chosen token plus top N
     # (token id, bias) pairs added to the logits before sampling; sorted by token id, ids unique.
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
+    # Structured output: the output must match this grammar (None: free text).
+    grammar: Grammar | None = None
 
     @property
     def is_greedy(self) -> bool:

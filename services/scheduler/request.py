@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.execute import MultiModalItem
+from shared.grammar import Grammar, GrammarKind
 from shared.sampling import SamplingOptions
 from shared.types import RequestKind, StopReason
 
@@ -147,6 +148,8 @@ class Request:
                 value = dataclasses.asdict(value)
                 value["stop_token_ids"] = list(value["stop_token_ids"])
                 value["logit_bias"] = [list(pair) for pair in value["logit_bias"]]
+                if value["grammar"] is not None:
+                    value["grammar"] = {"kind": value["grammar"]["kind"].value, "spec": value["grammar"]["spec"]}
             elif name in ("kind", "stop_reason"):
                 value = None if value is None else int(value)
             elif name == "status":
@@ -169,6 +172,8 @@ class Request:
         sampling = dict(data["sampling"])
         sampling["stop_token_ids"] = tuple(sampling["stop_token_ids"])
         sampling["logit_bias"] = tuple((int(t), float(b)) for t, b in sampling.get("logit_bias", ()))
+        grammar = sampling.get("grammar")
+        sampling["grammar"] = Grammar(GrammarKind(grammar["kind"]), grammar["spec"]) if grammar else None
         stop_reason = data.get("stop_reason")
         return cls(
             request_id=data["request_id"],

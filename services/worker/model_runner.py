@@ -4,6 +4,8 @@ Rule (vLLM V2): this hot path is shared by all models; feature logic lives elsew
 (request state, input building, attention, sampling, penalties) and is called from here.
 Multi-step is the small loop in `execute_round`: step k+1 is launched before step k's tokens
 are awaited on the host, and every step's tokens go to `on_step` as soon as they arrive.
+With structured-output rows in the batch, a step's tokens are awaited before the next step
+samples (the forward pass is already launched): the grammar matchers advance on the host.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 
 from services.worker.attention import AttentionBackend
 from services.worker.encoder_cache import EncoderCache
+from services.worker.grammar_state import GrammarState
 from services.worker.input_builder import ModelInput, ModelInputBuilder
 from services.worker.request_states import RequestStates
 from services.worker.sampler import Sampler
@@ -43,6 +46,7 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...],
         device: torch.device,
         encoder_cache_tokens: int = 0,
+        model_dir: str | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -56,6 +60,8 @@ class ModelRunner:
         self.generator = torch.Generator(device=device)
         self.generator.seed()
         self.encoder_cache_tokens = encoder_cache_tokens
+        # Structured output (grammar matchers, compiled-grammar cache) outlives Execute streams.
+        self.grammar_state = GrammarState(model_dir, vocab_size, eos_token_ids, device)
         self.reset()
 
     def reset(self) -> None:
@@ -64,6 +70,7 @@ class ModelRunner:
         self.sampling_state = SamplingState(self.vocab_size, self.eos_token_ids, self.device)
         self.input_builder = ModelInputBuilder(self.states, self.backend.metadata_builder(), self.device)
         self.sampler = Sampler(self.sampling_state.penalty_tables, self.generator)
+        self.grammar_state.clear()
         # Vision-language models only: image features by content hash (see encoder_cache.py).
         self.encoder_cache = (
             EncoderCache(self.model, self.encoder_cache_tokens, self.device)  # type: ignore[arg-type]
@@ -76,10 +83,14 @@ class ModelRunner:
             raise InvalidArgumentError(
                 "this worker serves a generative model; it cannot run pooling requests"
             )
-        self.sampling_state.release(self.states.remove(round_.finished_request_ids))
+        released = self.states.remove(round_.finished_request_ids)
+        self.sampling_state.release(released)
+        self.grammar_state.release(released)
         rows, num_scheduled = self.states.add_and_extend(round_)
         for row, new in zip(rows.tolist(), round_.new_requests, strict=False):
             self.sampling_state.add(row, new)
+            if new.sampling.grammar is not None:
+                self.grammar_state.add(row, new.sampling.grammar, new.token_ids[new.num_prompt_tokens :])
         num_steps = max(round_.num_steps, 1)
         with torch.inference_mode():
             if self.encoder_cache is not None:
@@ -128,7 +139,13 @@ class ModelRunner:
                     )
                 if metadata is not None:
                     logits = self.model.compute_logits(hidden[inputs.logits_indices])
-                    result = self.sampler(logits, metadata, step)
+                    grammar_mask = None
+                    if self.grammar_state.active:
+                        if pending is not None:  # the matchers need the previous step's tokens first
+                            self._deliver(pending, on_step)
+                            pending = None
+                        grammar_mask = self.grammar_state.mask(inputs.sample_rows)
+                    result = self.sampler(logits, metadata, step, grammar_mask)
                     sampled = result.token_ids
                     self.copier.start(result, out, metadata.num_logprobs)
             if pending is not None:
@@ -152,4 +169,6 @@ class ModelRunner:
         step.wait()
         if step.token_ids is not None and step.rows is not None:
             self.states.append_tokens(step.rows, step.token_ids.numpy())
+            if self.grammar_state.active:
+                self.grammar_state.consume(step.rows, step.token_ids.numpy())
         on_step(step)

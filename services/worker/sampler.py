@@ -1,6 +1,7 @@
 """Sampling on the device, vectorised over the batch.
 
-Order (vLLM V1's): [logprobs taken here], logit_bias, penalties, min_tokens masking, then for
+Order (vLLM V1's): [logprobs taken here], logit_bias, penalties, min_tokens masking, the
+structured-output grammar mask (rows with a grammar only), then for
 random rows temperature, min-p, top-k, top-p, and an exponential race (argmax of probs /
 Exp(1) noise), which equals sampling from probs. Greedy rows take the argmax of the processed
 logits: with no bias or penalty that is exactly the argmax of the model's logits.
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.grammar_state import TokenMask, apply_token_mask
 from services.worker.penalties import PenaltyTables
 from services.worker.sampling_state import SamplingMetadata
 
@@ -62,8 +64,12 @@ class Sampler:
         self.penalty_tables = penalty_tables
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, md: SamplingMetadata, step: int) -> SamplerOutput:
-        """Sample from float32 `logits` [S, V]; `step` is the step index within the round."""
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata, step: int,
+                 grammar_mask: TokenMask | None = None) -> SamplerOutput:
+        """Sample from float32 `logits` [S, V]; `step` is the step index within the round.
+
+        `grammar_mask` holds this step's allowed tokens of the rows with structured output.
+        """
         logprobs = logits.log_softmax(dim=-1) if md.num_logprobs is not None else None
         if md.logit_bias is not None:
             bias = md.logit_bias
@@ -75,6 +81,8 @@ class Sampler:
             active = (mt.num_generated + step) < mt.min_tokens  # step s has generated s tokens this round
             rows = mt.batch_rows[:, None]
             logits[rows, mt.stop_ids] = torch.where(active[:, None], float("-inf"), logits[rows, mt.stop_ids])
+        if grammar_mask is not None:
+            apply_token_mask(logits, grammar_mask)
         token_ids = logits.argmax(dim=-1) if md.all_greedy else self._sample(logits, md)
         out = SamplerOutput(token_ids)
         if logprobs is not None and md.num_logprobs is not None:

@@ -170,6 +170,7 @@ class Worker:
             eos_token_ids=self.decoder_config.eos_token_ids,
             device=self.device,
             encoder_cache_tokens=self._encoder_cache_tokens(),
+            model_dir=self.config.model,
         )
 
     def _encoder_cache_tokens(self) -> int:

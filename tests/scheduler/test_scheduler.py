@@ -10,6 +10,7 @@ from services.scheduler.scheduler import Scheduler
 from services.scheduler.updates import RequestUpdate, UpdateSink
 from shared.errors import ErrorKind
 from shared.execute import ExecuteRound
+from shared.grammar import Grammar, GrammarKind
 from shared.sampling import SamplingOptions
 from shared.types import RequestKind, StopReason
 from tests.scheduler.fake_worker import EOS_TOKEN_ID, FakeWorker, reference_output
@@ -343,6 +344,12 @@ def test_request_state_round_trips_through_a_plain_dict() -> None:
     back = Request.from_dict(data)
     assert back.to_dict() == request.to_dict()
     assert back.all_token_ids == [5, 6, 7, 11] and back.sampling == request.sampling
+
+
+def test_a_grammar_survives_the_journal() -> None:
+    request = _req("g", [5, 6], grammar=Grammar(GrammarKind.REGEX, "[a-z]+"))
+    back = Request.from_dict(json.loads(json.dumps(request.to_dict())))
+    assert back.sampling.grammar == Grammar(GrammarKind.REGEX, "[a-z]+")
 
 
 def test_priority_admission_into_full_running_set_preempts_in_the_next_round() -> None:
