@@ -72,10 +72,11 @@ def engine_grammar(grammar: Grammar) -> str:
     return llguidance.LLMatcher.grammar_from_lark(grammar.spec)
 
 
-def engine_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
+def engine_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int] | None) -> llguidance.LLTokenizer:
     """llguidance's view of the served tokenizer over the model's `vocab_size` logits.
 
-    Ids past the tokenizer's own vocabulary (a padded embedding table) are never allowed.
+    Ids past the tokenizer's own vocabulary (a padded embedding table) are never allowed; with no
+    `eos_token_ids` the tokenizer's own EOS ends a grammar.
     """
     import llguidance.hf
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from services.frontend.best_of import pick_best
 from services.frontend.config import FrontendConfig
 from services.frontend.generation_defaults import GenerationDefaults
+from services.frontend.grammar_check import GrammarChecker
 from services.frontend.image_inputs import image_inputs
 from services.frontend.limits import check_generate_sizes, check_size, check_text, effective_timeout_s
 from services.frontend.messages import (
@@ -97,6 +98,7 @@ class EngineClient:
         self.telemetry = telemetry or FrontendTelemetry(config.served_model_name)
         self.rate_limiter = rate_limiter
         self.system_fingerprint = _fingerprint(config.served_model_name, config.model)
+        self.grammars = GrammarChecker(tokenizer.hf)
 
     @property
     def model_name(self) -> str:
@@ -134,6 +136,8 @@ class EngineClient:
                 )
             check_sampling(request.sampling, info.vocab_size, limits)
             check_samples(request.n, request.best_of)
+            if request.sampling.grammar is not None:
+                await self.grammars.check(request.sampling.grammar, info.vocab_size)
         with telemetry.phase("tokenize"):
             prompt_token_ids = await self._prompt_token_ids(request)
         mm_items = []

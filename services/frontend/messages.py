@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from shared.errors import SpindleError
 from shared.execute import MultiModalItem
+from shared.grammar import Grammar
 from shared.sampling import SamplingOptions
 from shared.types import RequestKind, StopReason
 
@@ -106,6 +107,7 @@ class SamplingRequest:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; N: chosen token plus top N
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) as the client sent them
+    grammar: Grammar | None = None  # structured output (response_format, gRPC `structured`)
 
 
 # Where an image goes in a chat message's text; replaced by the model's image token before the

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from services.frontend.messages import IMAGE_MARKER, ChatMessage, GenerateInput, SamplingRequest
+from services.frontend.response_format import parse_response_format
 from services.frontend.validation import quote, show_number
 from shared.errors import InvalidArgumentError, PayloadTooLargeError
 
@@ -224,6 +225,7 @@ def _sampling(body: JsonObject, max_tokens: int | None, logprobs: int | None) ->
         ignore_eos=body.get_bool("ignore_eos"),
         logprobs=logprobs,
         logit_bias=_logit_bias(body),
+        grammar=parse_response_format(body.raw("response_format")),
     )
 
 
@@ -282,11 +284,6 @@ def parse_chat(data: object) -> OpenAIRequest:
     """A /v1/chat/completions body with text messages."""
     body = JsonObject(data)
     body.reject_if("tools", bool(body.raw("tools")), "tools (function calling) are not supported")
-    response_format = body.raw("response_format")
-    if response_format is not None:
-        kind = JsonObject(response_format, "response_format").get_str("type")
-        body.reject_if("response_format", kind not in (None, "text"),
-                       f"response_format type {quote(kind or '')} is not supported; only 'text'")
     raw_messages = body.raw("messages")
     if not isinstance(raw_messages, list):
         raise InvalidArgumentError(f"messages must be a list of messages, got {type_name(raw_messages)}")

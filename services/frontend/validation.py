@@ -128,11 +128,23 @@ def check_sampling(sampling: SamplingRequest, vocab_size: int, limits: RequestLi
         raise InvalidArgumentError(
             f"min_tokens={sampling.min_tokens} must not exceed max_tokens={sampling.max_tokens}"
         )
+    if sampling.grammar is not None:
+        check_grammar_options(sampling)
     for i, stop in enumerate(sampling.stop):
         if not stop:
             raise InvalidArgumentError(f"stop[{i}] is an empty string; stop strings must not be empty")
     check_token_ids(sampling.stop_token_ids, vocab_size, "stop_token_ids")
     check_logit_bias(sampling.logit_bias, vocab_size)
+
+
+def check_grammar_options(sampling: SamplingRequest) -> None:
+    """Structured output ends with EOS once the grammar is complete: options that forbid it conflict."""
+    if sampling.ignore_eos:
+        raise InvalidArgumentError("ignore_eos cannot be combined with structured output (response_format or a "
+                                   "grammar): the request ends with EOS when its grammar is complete")
+    if sampling.min_tokens:
+        raise InvalidArgumentError("min_tokens cannot be combined with structured output (response_format or a "
+                                   "grammar): the grammar alone decides when the output is complete")
 
 
 def check_logit_bias(logit_bias: Sequence[tuple[int, float]], vocab_size: int) -> None:
@@ -220,6 +232,7 @@ def resolve_sampling(sampling: SamplingRequest, num_prompt_tokens: int, info: Sc
         ignore_eos=sampling.ignore_eos,
         logprobs=sampling.logprobs,
         logit_bias=tuple(sorted(sampling.logit_bias)),
+        grammar=sampling.grammar,
     )
 
 

@@ -25,6 +25,7 @@ from services.frontend.messages import (
 )
 from shared.errors import ErrorKind, SpindleError, error_from_kind
 from shared.execute_wire import mm_item_to_proto, sampling_to_proto
+from shared.grammar import Grammar, GrammarKind
 from shared.pb.spindle.v1 import common_pb2, generation_pb2, scheduler_pb2
 from shared.types import RequestKind, StopReason
 
@@ -134,7 +135,21 @@ def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingRequest:
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logit_bias=tuple(msg.logit_bias.items()),
+        grammar=grammar_from_proto(msg.structured),
     )
+
+
+_STRUCTURED_KINDS = {"json_schema": GrammarKind.JSON_SCHEMA, "regex": GrammarKind.REGEX, "lark": GrammarKind.LARK}
+
+
+def grammar_from_proto(msg: generation_pb2.StructuredOutput) -> Grammar | None:
+    """SamplingParams.structured as a Grammar; None when no form is set (or json_object is false)."""
+    which = msg.WhichOneof("kind")
+    if which is None or (which == "json_object" and not msg.json_object):
+        return None
+    if which == "json_object":
+        return Grammar.json_object()
+    return Grammar(_STRUCTURED_KINDS[which], getattr(msg, which))
 
 
 def generate_input_from_proto(msg: generation_pb2.GenerateRequest) -> GenerateInput:
