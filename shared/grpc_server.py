@@ -30,7 +30,7 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 2_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 1_000),  # the server side of the heartbeat
 ]
 
 
