@@ -1,6 +1,7 @@
 """The OpenAI surface clients send, through the official `openai` client and the real services:
 n > 1 (prompt computed once, shared through the prefix cache), best_of, logit_bias, echo,
 suffix, raw logprobs, max_completion_tokens, seed and system_fingerprint, stream_options,
+structured output (response_format json_object / json_schema, gRPC regex),
 /tokenize and /detokenize, the same over gRPC, and a clear 400 for bad input of each field
 while other requests run on untouched.
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -314,3 +316,132 @@ def test_bad_input_of_each_new_field_is_a_clear_400_and_other_requests_run_on(sv
             assert result.usage.completion_tokens == 96
 
     asyncio.run(run())
+
+
+# ---- structured output (response_format, gRPC grammars) -------------------------------------
+# On the module's server: 8-step rounds, two workers, a KV pool small enough to preempt. The
+# tiny random model at temperature 1 would never write JSON by itself: every valid output is
+# the grammar mask's doing.
+
+
+def _random_schema(rng: random.Random) -> dict:
+    """A small strict object schema; strings, numbers and arrays are bounded so outputs end."""
+    props: dict[str, dict] = {}
+    for i, kind in enumerate(rng.sample(["string", "integer", "boolean", "enum", "array"], rng.randint(3, 4))):
+        props[f"f{i}_{kind}"] = {
+            "string": lambda: {"type": "string", "maxLength": rng.randint(1, 6)},
+            "integer": lambda: {"type": "integer", "minimum": -50, "maximum": rng.randint(0, 999)},
+            "boolean": lambda: {"type": "boolean"},
+            "enum": lambda: {"enum": rng.sample(["red", "green", "blue", "x", "y z"], rng.randint(1, 3))},
+            "array": lambda: {"type": "array", "maxItems": rng.randint(1, 3), "items": rng.choice(
+                [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "boolean"}])},
+        }[kind]()
+    names = list(props)
+    return {"type": "object", "properties": props, "required": rng.sample(names, rng.randint(1, len(names))),
+            "additionalProperties": False}
+
+
+def _json_schema_format(schema: dict, name: str = "answer") -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+def test_json_object_output_parses(svc: StandaloneServices, client: OpenAI, tokenizer) -> None:  # noqa: ANN001
+    model = svc.server.model_name
+    # The bias says "end now"; the grammar allows "}" only after "{": output is exactly {}.
+    close = {str(tokenizer.convert_tokens_to_ids("}")): 100}
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "json please"}],
+                                          response_format={"type": "json_object"}, logit_bias=close, max_tokens=50)
+    assert chat.choices[0].message.content == "{}" and chat.choices[0].finish_reason == "stop"
+    result = client.completions.create(model=model, prompt="an object:", n=4, max_tokens=300, temperature=1.0,
+                                       seed=5, extra_body={"response_format": {"type": "json_object"}})
+    for choice in result.choices:
+        if choice.finish_reason == "stop":  # else max_tokens cut it: a random model may nest deeply
+            assert isinstance(json.loads(choice.text), dict), choice.text
+    assert any(choice.finish_reason == "stop" for choice in result.choices)
+
+
+def test_random_json_schemas_every_output_validates(svc: StandaloneServices) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    model = svc.server.model_name
+    rng = random.Random(13)
+    schemas = [_random_schema(rng) for _ in range(5)]
+
+    async def one(aclient: AsyncOpenAI, i: int, schema: dict) -> list[tuple[str, str | None]]:
+        fmt = _json_schema_format(schema, f"schema_{i}")
+        if i % 2:
+            chat = await aclient.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": f"fill schema {i}"}], n=3, temperature=1.0,
+                max_tokens=200, response_format=fmt)
+            return [(c.message.content or "", c.finish_reason) for c in chat.choices]
+        stream = await aclient.completions.create(model=model, prompt=f"schema {i}:", n=3, temperature=1.0,
+                                                  max_tokens=200, stream=True, extra_body={"response_format": fmt})
+        texts, finishes = ["", "", ""], [None, None, None]
+        async for chunk in stream:
+            for c in chunk.choices:
+                texts[c.index] += c.text
+                finishes[c.index] = c.finish_reason or finishes[c.index]
+        return list(zip(texts, finishes, strict=True))
+
+    async def run() -> list[list[tuple[str, str | None]]]:
+        async with AsyncOpenAI(base_url=svc.server.http_url + "/v1", api_key="unused", max_retries=0) as aclient:
+            return await asyncio.gather(*(one(aclient, i, s) for i, s in enumerate(schemas)))
+
+    for schema, outputs in zip(schemas, asyncio.run(run()), strict=True):
+        for text, finish in outputs:
+            assert finish == "stop", (text, schema)
+            jsonschema.validate(json.loads(text), schema)
+
+
+def test_a_bad_schema_is_a_400_while_a_structured_request_runs_on(svc: StandaloneServices) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    model = svc.server.model_name
+    schema = _random_schema(random.Random(99))
+    huge = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 100}
+                                             for i in range(700)}}
+    bad = [
+        (_json_schema_format({"type": "frob"}), "Invalid type"),
+        (_json_schema_format(huge), "too large"),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, "schema is required"),
+        ({"type": "yaml"}, "response_format.type 'yaml' is not supported"),
+    ]
+
+    async def run() -> None:
+        async with AsyncOpenAI(base_url=svc.server.http_url + "/v1", api_key="unused", max_retries=0) as aclient:
+            bystander = asyncio.ensure_future(aclient.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "go on"}], n=2, temperature=1.0, max_tokens=200,
+                response_format=_json_schema_format(schema)))
+            await asyncio.sleep(0.05)
+            for fmt, message in bad:
+                with pytest.raises(openai.BadRequestError) as info:
+                    await aclient.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}],
+                                                          max_tokens=4, response_format=fmt)
+                assert message in str(info.value), fmt
+            with pytest.raises(openai.BadRequestError, match="ignore_eos cannot be combined"):
+                await aclient.completions.create(model=model, prompt="x", max_tokens=4, extra_body={
+                    "response_format": {"type": "json_object"}, "ignore_eos": True})
+            result = await bystander
+            for choice in result.choices:
+                assert choice.finish_reason == "stop"
+                jsonschema.validate(json.loads(choice.message.content or ""), schema)
+
+    asyncio.run(run())
+
+
+def test_grpc_regex_output_fullmatches(svc: StandaloneServices) -> None:
+    regex = r"(yes|no): [a-z]{1,5}( [0-9]{1,3}){0,2}"
+    with grpc.insecure_channel(svc.server.grpc_address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        request = pb.GenerateRequest(model=svc.server.model_name, text="answer", n=3, sampling=pb.SamplingParams(
+            max_tokens=100, temperature=1.0, structured=pb.StructuredOutput(regex=regex)))
+        texts, finishes = {0: "", 1: "", 2: ""}, {}
+        for response in stub.Generate(request):
+            if response.HasField("chunk"):
+                texts[response.chunk.index] += response.chunk.text
+            else:
+                finishes[response.complete.index] = response.complete.finish_reason
+        assert all(re.fullmatch(regex, text) for text in texts.values()), texts
+        assert set(finishes.values()) == {pb.FINISH_REASON_STOP}
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(pb.GenerateRequest(model=svc.server.model_name, text="x", sampling=pb.SamplingParams(
+                structured=pb.StructuredOutput(regex="(unclosed")))))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "invalid regex" in info.value.details()
