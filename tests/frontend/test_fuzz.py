@@ -206,7 +206,10 @@ TYPED: dict[str, st.SearchStrategy[Any]] = {
     "stop": texts | st.lists(texts, max_size=20),
     "stop_token_ids": token_lists,
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | json_values}),
-    "response_format": st.fixed_dictionaries({}, optional={"type": st.just("text") | texts}),
+    "response_format": st.fixed_dictionaries({}, optional={
+        "type": st.sampled_from(["text", "json_object", "json_schema"]) | texts,
+        "json_schema": st.fixed_dictionaries({}, optional={"schema": json_values, "strict": json_values}) | json_values,
+    }),
     **{name: texts | st.lists(texts, max_size=3) for name in ("text_1", "text_2", "documents", "query")},
     **{name: ints for name in ("max_tokens", "max_completion_tokens", "top_k", "seed", "min_tokens", "logprobs",
                                "top_logprobs", "n", "best_of", "priority", "top_n")},
@@ -231,7 +234,7 @@ SAMPLING_FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop"
                    "min_tokens", "stream", "priority", "n"]
 # The fields each route reads, drawn more often than the rest.
 ROUTE_FIELDS: dict[str, list[str]] = {
-    "/v1/completions": ["prompt", "model", "echo", "best_of", "stream_options", *SAMPLING_FIELDS],
+    "/v1/completions": ["prompt", "model", "echo", "best_of", "stream_options", "response_format", *SAMPLING_FIELDS],
     "/v1/chat/completions": ["messages", "model", "top_logprobs", "max_completion_tokens", "response_format",
                              "tools", *SAMPLING_FIELDS],
     "/v1/embeddings": ["input", "model", "encoding_format", "truncate", "normalize", "priority", "dimensions"],
@@ -337,11 +340,16 @@ OPTIONAL_SAMPLING = {
     **{name: int32s for name in ("top_k", "max_tokens", "logprobs", "min_tokens")},
     "seed": st.integers(0, 2**64 - 1),
 }
+structured_outputs = st.one_of(
+    st.just(pb.StructuredOutput()), st.builds(lambda b: pb.StructuredOutput(json_object=b), st.booleans()),
+    *(st.builds(lambda text, form=form: pb.StructuredOutput(**{form: text}),
+                proto_texts | st.sampled_from(['{"type": "object"}', "[a-z]+", 'start: "x"', "(", "{"]))
+      for form in ("json_schema", "regex", "lark")))
 sampling_params = st.builds(
-    lambda values, stop, stop_ids, ignore_eos: pb.SamplingParams(**values, stop=stop, stop_token_ids=stop_ids,
-                                                                 ignore_eos=ignore_eos),
+    lambda values, stop, stop_ids, ignore_eos, structured: pb.SamplingParams(
+        **values, stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos, structured=structured),
     st.fixed_dictionaries({}, optional=OPTIONAL_SAMPLING),
-    st.lists(proto_texts, max_size=30) | st.just(["s"] * 10_000), id_lists, st.booleans())
+    st.lists(proto_texts, max_size=30) | st.just(["s"] * 10_000), id_lists, st.booleans(), structured_outputs)
 generate_requests = st.builds(
     lambda model, prompt, sampling, priority, request_id: pb.GenerateRequest(
         model=model, sampling=sampling, priority=priority, request_id=request_id,
