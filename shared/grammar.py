@@ -72,15 +72,19 @@ def engine_grammar(grammar: Grammar) -> str:
     return llguidance.LLMatcher.grammar_from_lark(grammar.spec)
 
 
-def engine_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int] | None) -> llguidance.LLTokenizer:
-    """llguidance's view of the served tokenizer over the model's `vocab_size` logits.
+def engine_tokenizer(hf_tokenizer: Any, vocab_size: int | None,
+                     eos_token_ids: list[int] | None) -> llguidance.LLTokenizer:
+    """llguidance's view of the served tokenizer over the model's `vocab_size` logits (None: the tokenizer's).
 
     Ids past the tokenizer's own vocabulary (a padded embedding table) are never allowed; with no
     `eos_token_ids` the tokenizer's own EOS ends a grammar.
     """
     import llguidance.hf
 
-    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids)
+    try:
+        return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids)
+    except Exception as exc:  # a slow (non-Rust) tokenizer, or one llguidance cannot read
+        raise InvalidArgumentError(f"structured output is not available for this model's tokenizer: {exc}") from exc
 
 
 def compile_grammar(grammar: Grammar, tokenizer: llguidance.LLTokenizer) -> llguidance.LLMatcher:

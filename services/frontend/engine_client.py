@@ -98,7 +98,7 @@ class EngineClient:
         self.telemetry = telemetry or FrontendTelemetry(config.served_model_name)
         self.rate_limiter = rate_limiter
         self.system_fingerprint = _fingerprint(config.served_model_name, config.model)
-        self.grammars = GrammarChecker(tokenizer.hf)
+        self.grammars = GrammarChecker(tokenizer.hf, tokenizer.run_exclusive)
 
     @property
     def model_name(self) -> str:
@@ -137,7 +137,7 @@ class EngineClient:
             check_sampling(request.sampling, info.vocab_size, limits)
             check_samples(request.n, request.best_of)
             if request.sampling.grammar is not None:
-                await self.grammars.check(request.sampling.grammar, info.vocab_size)
+                await self.grammars.check(request.sampling.grammar)
         with telemetry.phase("tokenize"):
             prompt_token_ids = await self._prompt_token_ids(request)
         mm_items = []

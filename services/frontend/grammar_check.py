@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import llguidance
 
@@ -24,6 +25,7 @@ from shared.grammar import Grammar, compile_grammar, engine_tokenizer
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 COMPILE_TIMEOUT_S = 10.0
 MAX_CACHED = 256
 
@@ -31,21 +33,25 @@ MAX_CACHED = 256
 class GrammarChecker:
     """Validates grammars against the served tokenizer; `check` raises InvalidArgumentError."""
 
-    def __init__(self, hf_tokenizer: Any, timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+    def __init__(self, hf_tokenizer: Any, on_tokenizer_thread: Callable[[Callable[[], Any]], Awaitable[Any]],
+                 timeout_s: float = COMPILE_TIMEOUT_S) -> None:
         self.hf_tokenizer = hf_tokenizer
+        self._on_tokenizer_thread = on_tokenizer_thread  # HF tokenizers must not be used from two threads
         self.timeout_s = timeout_s
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._results: OrderedDict[Grammar, str] = OrderedDict()  # "" when valid, else the error
         self._inflight: dict[Grammar, asyncio.Future[str]] = {}
 
-    async def check(self, grammar: Grammar, vocab_size: int) -> None:
+    async def check(self, grammar: Grammar) -> None:
         """Raise InvalidArgumentError when `grammar` is too large, invalid or too slow to compile."""
         error = self._results.get(grammar)
         if error is None:
+            if self._tokenizer is None:  # once: llguidance's copy of the served tokenizer
+                self._tokenizer = await self._on_tokenizer_thread(self._engine_tokenizer)
             future = self._inflight.get(grammar)
             if future is None:
-                future = asyncio.get_running_loop().run_in_executor(self._pool, self._compile, grammar, vocab_size)
+                future = asyncio.get_running_loop().run_in_executor(self._pool, self._compile, grammar)
                 self._inflight[grammar] = future
                 future.add_done_callback(lambda _: self._inflight.pop(grammar, None))
             try:
@@ -64,11 +70,13 @@ class GrammarChecker:
         if len(self._results) > MAX_CACHED:
             self._results.popitem(last=False)
 
-    def _compile(self, grammar: Grammar, vocab_size: int) -> str:
+    def _engine_tokenizer(self) -> llguidance.LLTokenizer:
+        eos = self.hf_tokenizer.eos_token_id
+        return engine_tokenizer(self.hf_tokenizer, None, None if eos is None else [eos])
+
+    def _compile(self, grammar: Grammar) -> str:
         """In the grammar thread: "" when `grammar` compiles, else why not."""
-        if self._tokenizer is None:
-            eos = self.hf_tokenizer.eos_token_id
-            self._tokenizer = engine_tokenizer(self.hf_tokenizer, vocab_size, None if eos is None else [eos])
+        assert self._tokenizer is not None
         try:
             compile_grammar(grammar, self._tokenizer)
         except InvalidArgumentError as exc:

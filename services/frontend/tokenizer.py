@@ -46,6 +46,10 @@ class Tokenizer:
     async def _run(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
+    async def run_exclusive(self, fn: Callable[[], T]) -> T:
+        """Run `fn`, which reads `hf`, on the tokenizer's thread (never beside an encode)."""
+        return await self._run(fn)
+
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 

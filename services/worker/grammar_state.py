@@ -140,6 +140,9 @@ class GrammarState:
                 raise InvalidArgumentError("this worker has no tokenizer, so it cannot serve structured output")
             from transformers import AutoTokenizer
 
-            hf = AutoTokenizer.from_pretrained(self.model_dir)
+            try:
+                hf = AutoTokenizer.from_pretrained(self.model_dir)
+            except Exception as exc:  # no tokenizer files beside the weights
+                raise InvalidArgumentError(f"cannot load the tokenizer for structured output: {exc}") from exc
             self._tokenizer = engine_tokenizer(hf, self.vocab_size, list(self.eos_token_ids))
         return self._tokenizer

@@ -22,6 +22,13 @@ from shared.pb.spindle.v1 import generation_pb2 as pb
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 
+def _checker(tokenizer_dir: Path, **kwargs: float) -> GrammarChecker:
+    async def inline(fn):  # noqa: ANN001, ANN202 - stands in for the tokenizer's thread
+        return fn()
+
+    return GrammarChecker(AutoTokenizer.from_pretrained(tokenizer_dir), inline, **kwargs)
+
+
 def test_response_format_forms() -> None:
     assert parse_response_format(None) is None
     assert parse_response_format({"type": "text"}) is None
@@ -52,26 +59,26 @@ def test_grpc_structured_forms() -> None:
 
 
 async def test_checker_accepts_valid_refuses_invalid_and_caches(tokenizer_dir: Path) -> None:
-    checker = GrammarChecker(AutoTokenizer.from_pretrained(tokenizer_dir))
-    await checker.check(Grammar(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA)), 512)
-    await checker.check(Grammar(GrammarKind.REGEX, "[0-9]+"), 512)
+    checker = _checker(tokenizer_dir)
+    await checker.check(Grammar(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA)))
+    await checker.check(Grammar(GrammarKind.REGEX, "[0-9]+"))
     bad = [Grammar(GrammarKind.JSON_SCHEMA, '{"type": "frob"}'), Grammar(GrammarKind.JSON_SCHEMA, "{not json"),
            Grammar(GrammarKind.REGEX, "(unclosed"), Grammar(GrammarKind.LARK, "start: missing_rule"),
            Grammar(GrammarKind.REGEX, "a" * (MAX_GRAMMAR_CHARS + 1))]
     for grammar in bad:
         with pytest.raises(InvalidArgumentError):
-            await checker.check(grammar, 512)
+            await checker.check(grammar)
     # Cached: the same bad spec is refused again without compiling (the pool is not used).
     checker._pool.shutdown()
     with pytest.raises(InvalidArgumentError, match="frob"):
-        await checker.check(bad[0], 512)
+        await checker.check(bad[0])
 
 
 async def test_a_slow_compilation_is_refused_after_the_time_limit(tokenizer_dir: Path) -> None:
-    checker = GrammarChecker(AutoTokenizer.from_pretrained(tokenizer_dir), timeout_s=0.05)
+    checker = _checker(tokenizer_dir, timeout_s=0.05)
     slow = Grammar(GrammarKind.REGEX, "x")
-    checker._compile = lambda grammar, vocab_size: time.sleep(0.5) or ""  # type: ignore[method-assign]
+    checker._compile = lambda grammar: time.sleep(0.5) or ""  # type: ignore[method-assign]
     started = time.monotonic()
     with pytest.raises(InvalidArgumentError, match="longer than 0.05 s"):
-        await asyncio.gather(checker.check(slow, 512))
+        await asyncio.gather(checker.check(slow))
     assert time.monotonic() - started < 0.4
