@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from services.frontend.messages import IMAGE_MARKER, ChatMessage, GenerateInput, SamplingRequest
-from services.frontend.response_format import parse_response_format
+from services.frontend.response_format import parse_grammar
 from services.frontend.validation import quote, show_number
 from shared.errors import InvalidArgumentError, PayloadTooLargeError
 
@@ -225,7 +225,7 @@ def _sampling(body: JsonObject, max_tokens: int | None, logprobs: int | None) ->
         ignore_eos=body.get_bool("ignore_eos"),
         logprobs=logprobs,
         logit_bias=_logit_bias(body),
-        grammar=parse_response_format(body.raw("response_format")),
+        grammar=parse_grammar(body.raw("response_format"), body.raw("structured_outputs")),
     )
 
 

@@ -360,6 +360,18 @@ def test_json_object_output_parses(svc: StandaloneServices, client: OpenAI, toke
     assert any(choice.finish_reason == "stop" for choice in result.choices)
 
 
+def test_vllm_structured_outputs_choice_and_regex(svc: StandaloneServices, client: OpenAI) -> None:
+    model = svc.server.model_name
+    choices = ["yes", "no", "maybe not"]
+    result = client.completions.create(model=model, prompt="well?", n=4, max_tokens=20, temperature=1.0,
+                                       extra_body={"structured_outputs": {"choice": choices}})
+    assert all(c.text in choices and c.finish_reason == "stop" for c in result.choices), result.choices
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "a date"}],
+                                          max_tokens=40, temperature=1.0,
+                                          extra_body={"structured_outputs": {"regex": r"20[0-9]{2}-[01][0-9]"}})
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]", chat.choices[0].message.content or "")
+
+
 def test_random_json_schemas_every_output_validates(svc: StandaloneServices) -> None:
     jsonschema = pytest.importorskip("jsonschema")
     model = svc.server.model_name

@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from services.frontend.grammar_check import GrammarChecker
-from services.frontend.response_format import parse_response_format
+from services.frontend.response_format import parse_grammar, parse_response_format, parse_structured_outputs
 from services.frontend.wire import grammar_from_proto
 from shared.errors import InvalidArgumentError
 from shared.grammar import MAX_GRAMMAR_CHARS, Grammar, GrammarKind
@@ -51,6 +51,23 @@ def test_bad_response_format_is_a_clear_error(value: object, message: str) -> No
         parse_response_format(value)
 
 
+def test_vllm_structured_outputs_forms() -> None:
+    assert parse_structured_outputs(None) is None and parse_structured_outputs({}) is None
+    assert parse_structured_outputs({"regex": "a+"}) == Grammar(GrammarKind.REGEX, "a+")
+    assert parse_structured_outputs({"json": SCHEMA}).kind is GrammarKind.JSON_SCHEMA
+    assert parse_structured_outputs({"json": '{"type": "object"}'}).spec == '{"type": "object"}'
+    assert parse_structured_outputs({"json_object": True}) == Grammar.json_object()
+    assert parse_structured_outputs({"choice": ["a", "b c"]}) == Grammar(GrammarKind.LARK, 'start: "a" | "b c"')
+    assert parse_structured_outputs({"grammar": 'start: "x"'}) == Grammar(GrammarKind.LARK, 'start: "x"')
+    for bad, message in [({"regex": "a", "choice": ["b"]}, "set only one"), ({"choice": []}, "non-empty list"),
+                         ({"regex": 5}, "regex must be a string"), ([1], "must be an object")]:
+        with pytest.raises(InvalidArgumentError, match=message):
+            parse_structured_outputs(bad)
+    with pytest.raises(InvalidArgumentError, match="send one"):
+        parse_grammar({"type": "json_object"}, {"regex": "a"})
+    assert parse_grammar({"type": "text"}, {"regex": "a"}) == Grammar(GrammarKind.REGEX, "a")
+
+
 def test_grpc_structured_forms() -> None:
     assert grammar_from_proto(pb.StructuredOutput()) is None
     assert grammar_from_proto(pb.StructuredOutput(json_object=True)) == Grammar.json_object()
@@ -62,6 +79,7 @@ async def test_checker_accepts_valid_refuses_invalid_and_caches(tokenizer_dir: P
     checker = _checker(tokenizer_dir)
     await checker.check(Grammar(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA)))
     await checker.check(Grammar(GrammarKind.REGEX, "[0-9]+"))
+    await checker.check(parse_structured_outputs({"choice": ["yes", "no way", "ünï"]}))
     bad = [Grammar(GrammarKind.JSON_SCHEMA, '{"type": "frob"}'), Grammar(GrammarKind.JSON_SCHEMA, "{not json"),
            Grammar(GrammarKind.REGEX, "(unclosed"), Grammar(GrammarKind.LARK, "start: missing_rule"),
            Grammar(GrammarKind.REGEX, "a" * (MAX_GRAMMAR_CHARS + 1))]
