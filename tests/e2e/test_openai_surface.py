@@ -404,6 +404,27 @@ def test_random_json_schemas_every_output_validates(svc: StandaloneServices) -> 
             jsonschema.validate(json.loads(text), schema)
 
 
+def test_structured_outputs_survive_preemption(svc: StandaloneServices) -> None:
+    """Preempted requests are recomputed: the worker replays their tokens through a fresh matcher."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = _random_schema(random.Random(7))
+    jobs = [_prompt(30 + i, 40 + 7 * i) for i in range(6)]
+    before = scheduler_stats(svc.scheduler_address)
+
+    async def run() -> list[openai.types.Completion]:
+        async with AsyncOpenAI(base_url=svc.server.http_url + "/v1", api_key="unused", max_retries=0) as aclient:
+            return await asyncio.gather(*(
+                aclient.completions.create(model=svc.server.model_name, prompt=p, n=4, max_tokens=200,
+                                           temperature=1.0, extra_body={"response_format": _json_schema_format(schema)})
+                for p in jobs))
+
+    results = asyncio.run(run())
+    assert scheduler_stats(svc.scheduler_address).num_preemptions > before.num_preemptions
+    for choice in (c for result in results for c in result.choices):
+        assert choice.finish_reason == "stop", choice.text
+        jsonschema.validate(json.loads(choice.text), schema)
+
+
 def test_a_bad_schema_is_a_400_while_a_structured_request_runs_on(svc: StandaloneServices) -> None:
     jsonschema = pytest.importorskip("jsonschema")
     model = svc.server.model_name
