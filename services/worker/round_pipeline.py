@@ -10,6 +10,7 @@ exception; later rounds are skipped. No grpc or protobuf here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -22,6 +23,10 @@ from shared.errors import UnavailableError
 from shared.execute import ExecuteRound, StepOutput
 
 logger = logging.getLogger(__name__)
+
+
+class _ReaderGoneError(Exception):
+    """Raised in the compute thread when the stream's event loop has closed, to stop the round."""
 
 
 class Runner(Protocol):
@@ -69,8 +74,12 @@ class RoundPipeline:
         queue: asyncio.Queue[StepResult | BaseException | None] = asyncio.Queue()
         failed = threading.Event()
 
-        def on_step(step: StepResult) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, step)
+        def deliver(item: StepResult | BaseException) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the event loop closed (the worker is stopping): nobody reads any more
+                failed.set()
+                raise _ReaderGoneError from None
 
         def execute(round_: ExecuteRound) -> None:
             if failed.is_set():
@@ -79,7 +88,7 @@ class RoundPipeline:
 
             def on_timed_step(step: StepResult) -> None:
                 trace.step_done()
-                on_step(step)
+                deliver(step)
 
             try:
                 self._num_rounds_run += 1
@@ -90,11 +99,15 @@ class RoundPipeline:
                 if encoder is not None and round_.encoder_hashes:
                     trace.encoder_done(len(round_.encoder_hashes), encoder.last_encode_seconds, encoder.num_tokens)
                 trace.end()
+            except _ReaderGoneError:
+                trace.end()
+                logger.info("round %d stopped: the worker is shutting down", round_.round_id)
             except Exception as exc:
                 trace.end(exc)
                 failed.set()
                 logger.exception("round %d failed", round_.round_id)
-                loop.call_soon_threadsafe(queue.put_nowait, RoundFailedError(round_.round_id, exc))
+                with contextlib.suppress(_ReaderGoneError):
+                    deliver(RoundFailedError(round_.round_id, exc))
 
         async def feed() -> None:
             pending: list[asyncio.Future[None]] = []
