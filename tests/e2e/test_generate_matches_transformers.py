@@ -55,7 +55,7 @@ async def run_both_apis(server: RunningServer, jobs: list[tuple[list[int], int]]
     return results[: len(jobs)], results[len(jobs):]
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "naive"])
+@pytest.mark.parametrize("backend", ["paged", "sdpa", "naive"])
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 def test_greedy_matches_transformers(tiny_models: dict[str, Path], family: str, backend: str) -> None:
     model_dir = tiny_models[family]

@@ -73,7 +73,7 @@ def minilm_reference(minilm_dir: Path) -> tuple[dict, torch.Tensor, torch.Tensor
     return encoded, reference, raw
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "naive"])
+@pytest.mark.parametrize("backend", ["paged", "sdpa", "naive"])
 def test_minilm_embeddings_match_sentence_transformers(
     minilm_dir: Path, minilm_reference: tuple[dict, torch.Tensor, torch.Tensor], backend: str
 ) -> None:

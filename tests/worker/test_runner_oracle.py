@@ -51,7 +51,7 @@ def references(tiny_models: dict[str, Path]) -> dict[str, dict[str, list[int]]]:
 
 
 @pytest.mark.parametrize("num_steps", [1, 4])
-@pytest.mark.parametrize("backend", ["sdpa", "naive"])
+@pytest.mark.parametrize("backend", ["paged", "sdpa", "naive"])
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 def test_greedy_tokens_match_transformers(
     tiny_models: dict[str, Path], references: dict, family: str, backend: str, num_steps: int

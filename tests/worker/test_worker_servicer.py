@@ -38,7 +38,8 @@ async def test_worker_info_reports_model_and_kv_capacity(stub: worker_pb2_grpc.W
     assert (info.model_id, info.num_kv_blocks, info.block_size) == ("llama", 512, 16)
     assert (info.task, info.pooled_size) == (RequestKind.GENERATE, 0)
     assert (info.vocab_size, info.max_model_len, info.eos_token_ids) == (512, 1024, (1,))
-    assert (info.attention_backend, info.dtype, info.device) == ("sdpa", "float32", "cpu")
+    # auto on the CPU: the in-place paged kernels (built by `make install` or at worker start)
+    assert (info.attention_backend, info.dtype, info.device) == ("paged", "float32", "cpu")
 
 
 async def test_execute_stream_runs_rounds_in_order(
