@@ -13,7 +13,10 @@ concurrency (default 8) over streamed /v1/chat/completions, after one untimed re
 another image. Reported: requests/s, TTFT p50/p90, mean latency, and the scheduler's
 `spindle:encoder_cache_hits_total`, `spindle:encoder_items_encoded_total` and
 `spindle:prefix_cache_hits_total` (scraped from its /metrics before and after the timed run;
-the difference is shown). transformers: `LlavaForConditionalGeneration.generate` on the same
+the difference is shown; prefix-cache hits are prompt tokens, encoder-cache hits are images a chunk
+needed that were cached or being encoded already, so an image whose blocks all come from the prefix
+cache counts as neither encoded nor hit). Each spindle answer is compared with transformers' (logged).
+transformers: `LlavaForConditionalGeneration.generate` on the same
 requests one at a time in this process (processor from the model dir, preprocessing timed too).
 Prints a markdown table with spindle / transformers ratios and writes JSON to benchmarks/results/.
 
