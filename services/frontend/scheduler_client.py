@@ -128,8 +128,14 @@ class SchedulerClient:
         await asyncio.wait_for(self._ready.wait(), timeout_s)
 
     async def get_info(self) -> SchedulerInfo:
-        """The scheduler's description of the model, cached from the last (re)connect."""
-        if not self.is_ready or self._info is None:
+        """The scheduler's description of the model, cached from the last (re)connect.
+
+        While the stream is down after having been up (a scheduler restarting), the last
+        description still holds: new requests are validated with it and wait, like the held
+        ones, for the next scheduler (see `submit`). Connected but not ready (no live worker)
+        and never connected are UNAVAILABLE.
+        """
+        if self._info is None or (self._outbox is not None and not self.is_ready):
             raise UnavailableError(f"the scheduler at {self.address} is not connected or not ready yet")
         return self._info
 
@@ -140,10 +146,14 @@ class SchedulerClient:
     # ---- requests -----------------------------------------------------------------------
 
     def submit(self, request: AddRequest) -> RequestStream:
-        """Queue `request` for the scheduler; its updates arrive on the returned stream."""
+        """Queue `request` for the scheduler; its updates arrive on the returned stream.
+
+        While disconnected (after a first connection) it is held with the unfinished requests:
+        sent when a scheduler is back, failed with them if none is within the resume timeout.
+        """
         if not self.accepting:
             raise UnavailableError("this frontend is shutting down: retry (another replica takes it)")
-        if self._outbox is None:
+        if self._info is None:
             raise UnavailableError(f"the scheduler at {self.address} is not connected")
         if request.request_id in self._streams:
             raise InvalidArgumentError(f"request_id={request.request_id!r} is already in use")
@@ -169,10 +179,10 @@ class SchedulerClient:
     def _flush(self) -> None:
         """Send this loop iteration's adds (then aborts) as one message each."""
         self._flush_scheduled = False
+        if self._outbox is None:
+            return  # disconnected: they wait for the next stream (`_resubmit`) or the resume timeout
         adds, self._pending_adds = list(self._pending_adds.values()), {}
         aborts, self._pending_aborts = self._pending_aborts, []
-        if self._outbox is None:
-            return  # disconnected: those requests were already failed
         batch = []
         for add in adds:
             try:
@@ -203,6 +213,8 @@ class SchedulerClient:
     def _resubmit(self) -> None:
         """Re-submit every unfinished request on a new stream, with what its client already has."""
         for request_id, stream in self._streams.items():
+            if request_id in self._pending_adds:
+                continue  # never sent (it came while disconnected): it goes as it is
             add = dataclasses.replace(self._submitted[request_id], output_token_ids=list(stream.output_token_ids),
                                       resumed=True)
             self._pending_adds[request_id] = add

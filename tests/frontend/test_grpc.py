@@ -260,3 +260,30 @@ async def test_health_is_not_serving_until_the_scheduler_is_ready(tokenizer_dir:
             assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.SERVING
     finally:
         await server.stop(0)
+
+
+async def test_a_request_arriving_while_the_scheduler_is_away_waits_for_it(
+        tokenizer_dir: object, fake: FakeScheduler, scheduler_addr: str) -> None:
+    from tests.frontend.conftest import make_config
+
+    server = Frontend(make_config(tokenizer_dir, scheduler_addr))  # type: ignore[arg-type]
+    server.scheduler._backoff_initial_s = server.scheduler._backoff_max_s = 0.5  # back after half a second
+    await server.start()
+    try:
+        await server.scheduler.wait_ready(10)
+        while fake.num_connects < 1:  # the fake's side of the stream is up
+            await asyncio.sleep(0.01)
+        num_added = len(fake.added)
+        fake.break_stream()  # a scheduler restarting
+        while server.scheduler.is_ready:
+            await asyncio.sleep(0.01)
+        async with grpc.aio.insecure_channel(server.grpc_address) as channel:
+            request = pb.GenerateRequest(model=MODEL_NAME, text="hello", sampling=pb.SamplingParams(max_tokens=4))
+            chunks, last = await _collect(Stub(channel), request)
+        assert last.complete.finish_reason == pb.FINISH_REASON_LENGTH
+        assert sum(len(c.token_ids) for c in chunks) == 4
+        assert fake.num_connects == 2
+        new = fake.added[num_added:]
+        assert len(new) == 1 and not new[0].resumed  # sent once, as a new request
+    finally:
+        await server.stop(0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from services.frontend import wire
 from services.frontend.messages import AddRequest
 from services.frontend.scheduler_client import SchedulerClient
 from shared.pb.spindle.v1 import common_pb2, scheduler_pb2
@@ -15,6 +16,7 @@ def _client() -> tuple[SchedulerClient, asyncio.Queue[scheduler_pb2.ConnectReque
     client = SchedulerClient("test:0")
     outbox: asyncio.Queue[scheduler_pb2.ConnectRequest | None] = asyncio.Queue()
     client._outbox = outbox
+    client._info = wire.info_from_proto(scheduler_pb2.GetSchedulerInfoResponse(ready=True, model_id="m"))
     return client, outbox
 
 
