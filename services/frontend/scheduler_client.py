@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 
@@ -96,6 +97,9 @@ class SchedulerClient:
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
         self._info_timeout_s = info_timeout_s
+        # Names this process's requests to the scheduler: after a scheduler restart it drops the
+        # journaled requests of this id that `_resubmit` did not send again (they had finished).
+        self.frontend_id = uuid.uuid4().hex
         self._streams: dict[str, RequestStream] = {}
         self._pending_adds: dict[str, AddRequest] = {}
         self._pending_aborts: list[str] = []
@@ -186,7 +190,7 @@ class SchedulerClient:
         batch = []
         for add in adds:
             try:
-                batch.append(wire.add_request_to_proto(add))
+                batch.append(wire.add_request_to_proto(add, self.frontend_id))
             except ValueError as exc:  # a value its wire type cannot carry, which validation should have caught
                 logger.error("request %s cannot be sent to the scheduler: %s", add.request_id, exc)
                 # Fail it alone, as if the scheduler had refused it; the others in `adds` still go.
@@ -251,6 +255,8 @@ class SchedulerClient:
                 self._outbox, self._info = outbox, info
                 self._connection_generation += 1
                 self._resubmit()
+                self._flush()  # the re-submissions, then the marker saying they are all there
+                outbox.put_nowait(wire.resubmitted_to_proto(self.frontend_id))
                 self._set_ready(True)
                 logger.info("connected to the scheduler at %s: model %s, max_model_len %d, %d worker(s)",
                             self.address, info.model_id, info.max_model_len, info.num_workers)

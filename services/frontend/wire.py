@@ -32,7 +32,7 @@ from shared.types import RequestKind, StopReason
 # ---- scheduler.proto ------------------------------------------------------------------------
 
 
-def add_request_to_proto(r: AddRequest) -> scheduler_pb2.AddRequest:
+def add_request_to_proto(r: AddRequest, frontend_id: str = "") -> scheduler_pb2.AddRequest:
     """Raises ValueError for a field its wire type cannot carry (an int out of range, a string
     that is not Unicode): convert each request alone, so one cannot sink a whole batch."""
     return scheduler_pb2.AddRequest(
@@ -48,7 +48,13 @@ def add_request_to_proto(r: AddRequest) -> scheduler_pb2.AddRequest:
         resumed=r.resumed,
         shares_prompt_with=r.shares_prompt_with,
         mm_items=[mm_item_to_proto(item) for item in r.mm_items],
+        frontend_id=frontend_id,
     )
+
+
+def resubmitted_to_proto(frontend_id: str) -> scheduler_pb2.ConnectRequest:
+    """The marker after a (re)connection's re-submissions: see `Resubmitted` in scheduler.proto."""
+    return scheduler_pb2.ConnectRequest(resubmitted=scheduler_pb2.Resubmitted(frontend_id=frontend_id))
 
 
 def add_requests_to_proto(requests: Sequence[scheduler_pb2.AddRequest]) -> scheduler_pb2.ConnectRequest:

@@ -174,13 +174,25 @@ class EngineLoop:
         logger.debug("resumed after %d output tokens", request.num_output_tokens,
                      extra=request_extra(request.request_id, request.traceparent))
 
+    def drop_orphans_of(self, frontend_id: str) -> None:
+        """The frontend re-submitted everything it still follows: its other journaled requests had
+        finished before the restart (their last journal write did not land), so drop them now."""
+        done = [r.request_id for r in self._orphans.values() if frontend_id and r.frontend_id == frontend_id]
+        if done:
+            logger.info("journal: dropped %d request(s) that frontend %s no longer follows", len(done),
+                        frontend_id)
+        self._forget_orphans(done)
+
     def _drop_orphans(self) -> None:
         if self._orphans:
             logger.warning("journal: %d request(s) were never re-submitted by a frontend; dropped",
                            len(self._orphans))
-        for request_id in self._orphans:
+        self._forget_orphans(list(self._orphans))
+
+    def _forget_orphans(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            del self._orphans[request_id]
             self.journal.forget(request_id)
-        self._orphans.clear()
 
     def _live_request(self, request_id: str) -> Request | None:
         return self.scheduler.requests.get(request_id) if self.scheduler is not None else None

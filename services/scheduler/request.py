@@ -40,7 +40,7 @@ _DURABLE_FIELDS = (
     "request_id", "kind", "prompt_token_ids", "output_token_ids", "sampling", "priority",
     "arrival_seq", "status", "num_computed_tokens", "num_cached_tokens", "worker_index",
     "connection_id", "traceparent", "deadline_unix_s", "cache_salts", "token_type_ids",
-    "num_preemptions", "stop_reason", "mm_items",
+    "num_preemptions", "stop_reason", "mm_items", "frontend_id",
 )
 
 
@@ -65,6 +65,7 @@ class Request:
     priority: int = 0  # larger runs earlier
     arrival_seq: int = 0  # FCFS order within a priority, set by the scheduler
     connection_id: int = 0  # the frontend stream that owns it
+    frontend_id: str = ""  # the frontend process that owns it (outlives a scheduler restart)
     traceparent: str = ""
     deadline_unix_s: float = 0.0  # 0 means none
     cache_salts: tuple[str, ...] = ()  # extra prefix-cache keys of the whole chain (salts)
@@ -183,6 +184,7 @@ class Request:
             priority=data["priority"],
             arrival_seq=data["arrival_seq"],
             connection_id=data["connection_id"],
+            frontend_id=data.get("frontend_id", ""),
             traceparent=data["traceparent"],
             deadline_unix_s=data["deadline_unix_s"],
             cache_salts=tuple(data["cache_salts"]),

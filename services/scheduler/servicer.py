@@ -54,6 +54,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                         self._add(conn, add)
                 elif msg.HasField("abort"):
                     self._abort(conn, msg.abort.request_ids)
+                elif msg.HasField("resubmitted"):
+                    self.engine.drop_orphans_of(msg.resubmitted.frontend_id)
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as exc:  # the stream broke under the reader

@@ -24,6 +24,7 @@ def request_from_proto(msg: scheduler_pb2.AddRequest, connection_id: int) -> Req
         kind=RequestKind(msg.kind) if msg.kind else RequestKind.GENERATE,
         priority=msg.priority,
         connection_id=connection_id,
+        frontend_id=msg.frontend_id,
         traceparent=msg.traceparent,
         deadline_unix_s=msg.deadline_unix_s,
         cache_salts=tuple(msg.cache_salts),
@@ -44,7 +45,7 @@ def add_requests_to_proto(requests: Sequence[Request]) -> scheduler_pb2.ConnectR
             token_type_ids=r.token_type_ids, sampling=sampling_to_proto(r.sampling), priority=r.priority,
             traceparent=r.traceparent, deadline_unix_s=r.deadline_unix_s, cache_salts=r.cache_salts,
             output_token_ids=r.output_token_ids, resumed=r.is_resumed, shares_prompt_with=r.shares_prompt_with,
-            mm_items=[mm_item_to_proto(item) for item in r.mm_items],
+            frontend_id=r.frontend_id, mm_items=[mm_item_to_proto(item) for item in r.mm_items],
         )
         for r in requests
     ]))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,6 +24,7 @@ from shared.errors import ErrorKind
 from shared.grpc_server import GrpcService, start_grpc
 from shared.pb.spindle.v1 import scheduler_pb2, scheduler_pb2_grpc
 from shared.sampling import SamplingOptions
+from shared.state_store import InMemoryStateStore, JournalBatch, StateStore
 from shared.types import StopReason
 from tests.scheduler.fake_worker import FakeWorker, reference_output
 from tests.scheduler.fake_worker_server import FakeWorkerServicer, start_fake_worker_server
@@ -39,8 +42,9 @@ class Stack:
     stub: scheduler_pb2_grpc.SchedulerServiceStub
 
 
-@pytest.fixture
-async def stack() -> AsyncIterator[Stack]:
+@contextlib.asynccontextmanager
+async def running_stack(store: StateStore | None = None) -> AsyncIterator[Stack]:
+    """Two fake workers behind a real scheduler service; `store` holds its journal."""
     workers = [FakeWorker(32, 4, eos_period=EOS_PERIOD, max_model_len=128) for _ in range(2)]
     servers, links = [], []
     for index, worker in enumerate(workers):
@@ -50,17 +54,25 @@ async def stack() -> AsyncIterator[Stack]:
         servers.append(server)
         links.append(WorkerClient(index, address, backoff_initial_s=0.01))
     config = SchedulerConfig(worker_addresses=tuple(link.address for link in links), num_scheduler_steps=4)
-    engine = EngineLoop(config, links)
+    engine = EngineLoop(config, links, store=store)
     service = await start_grpc("127.0.0.1:0", lambda s: register(s, engine), [SERVICE_NAME])
     starter = asyncio.create_task(engine.start())
     channel = grpc.aio.insecure_channel(service.address)
-    yield Stack(engine, service, workers, servers, channel, scheduler_pb2_grpc.SchedulerServiceStub(channel))
-    await channel.close()
-    starter.cancel()
-    await engine.stop()
-    await service.server.stop(0)
-    for server in servers:
-        await server.stop(0)
+    try:
+        yield Stack(engine, service, workers, servers, channel, scheduler_pb2_grpc.SchedulerServiceStub(channel))
+    finally:
+        await channel.close()
+        starter.cancel()
+        await engine.stop()
+        await service.server.stop(0)
+        for server in servers:
+            await server.stop(0)
+
+
+@pytest.fixture
+async def stack() -> AsyncIterator[Stack]:
+    async with running_stack() as running:
+        yield running
 
 
 async def _wait_ready(stub: scheduler_pb2_grpc.SchedulerServiceStub) -> scheduler_pb2.GetSchedulerInfoResponse:
@@ -297,3 +309,38 @@ async def test_a_reader_that_fails_ends_the_stream_loudly_and_aborts_its_request
     assert "reconnect" in (info.value.details() or "")
     assert "reader failed" in caplog.text
     await _until(lambda: not scheduler.requests)  # the connection's requests are aborted, blocks freed
+
+
+async def test_a_reconnected_frontend_claims_its_journaled_requests_and_the_rest_are_dropped() -> None:
+    """After a restart, a frontend's journaled requests it did not re-submit (they finished just
+    before the kill, their removal never written) leave the journal as soon as it says it is done,
+    not after the orphan timeout; another frontend's stay until it reconnects."""
+    store = InMemoryStateStore()
+    added = {}
+    for request_id, frontend_id in (("kept", "f1"), ("finished", "f1"), ("other", "f2")):
+        record = _request(request_id, [5, 6, 7], 4).to_dict() | {"frontend_id": frontend_id}
+        added[request_id] = json.dumps(record).encode()
+    await store.write_journal(JournalBatch(added=added))
+    async with running_stack(store) as stack:
+        await _wait_ready(stack.stub)
+        assert stack.engine.num_orphans == 3
+        outbox: asyncio.Queue[scheduler_pb2.ConnectRequest | None] = asyncio.Queue()
+
+        async def requests() -> AsyncIterator[scheduler_pb2.ConnectRequest]:
+            while (msg := await outbox.get()) is not None:
+                yield msg
+
+        call = stack.stub.Connect(requests())
+        kept = _request("kept", [5, 6, 7], 4)
+        kept.is_resumed, kept.frontend_id = True, "f1"
+        outbox.put_nowait(wire.add_requests_to_proto([kept]))
+        outbox.put_nowait(scheduler_pb2.ConnectRequest(resubmitted=scheduler_pb2.Resubmitted(frontend_id="f1")))
+        async for msg in call:
+            if any(u.request_id == "kept" and u.stop_reason for u in msg.step.updates):
+                break
+        deadline = time.monotonic() + 5
+        while set(await store.read_journal()) != {"other"}:
+            assert time.monotonic() < deadline, f"journal still holds {set(await store.read_journal())}"
+            await asyncio.sleep(0.01)
+        assert stack.engine.num_orphans == 1
+        outbox.put_nowait(None)
