@@ -40,6 +40,7 @@ from services.frontend.rate_limit import RateLimiter
 from services.frontend.samples import merge, sample_requests, total_usage, with_total_usage
 from services.frontend.telemetry import FrontendTelemetry, RequestTelemetry
 from services.frontend.tokenizer import Tokenizer
+from services.frontend.tools import generic_messages, template_knows_tools
 from services.frontend.validation import (
     INT32,
     check_model,
@@ -250,7 +251,11 @@ class EngineClient:
             messages = request.messages
             if request.images:  # the model's image token where each image goes
                 messages = image_inputs(self.config.model).with_image_tokens(messages, self.tokenizer.hf)
-            return await self.tokenizer.encode_chat(messages)
+            if not template_knows_tools(self.tokenizer.chat_template):
+                return await self.tokenizer.encode_chat(generic_messages(messages, request.tools))
+            tools = request.tools
+            return await self.tokenizer.encode_chat(messages, tools=[t.to_openai() for t in tools.tools]
+                                                    if tools is not None and tools.is_active else None)
         if request.prompt_token_ids is not None:
             return list(request.prompt_token_ids)
         if not request.prompt_text:

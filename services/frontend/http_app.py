@@ -30,6 +30,7 @@ from services.frontend.openai_format import (
 )
 from services.frontend.openai_protocol import Endpoint, OpenAIRequest, parse_chat, parse_completion, read_json
 from services.frontend.pooling import PoolingClient
+from services.frontend.tool_parsers import format_for_template
 from shared.api_keys import ApiKeys
 from shared.errors import SpindleError, http_status
 
@@ -84,6 +85,9 @@ async def _generate(http_request: web.Request, parsed: OpenAIRequest) -> web.Str
     formatter = formatter_class(prefix + prepared.request_id, engine.model_name, engine.tokenizer.token_text,
                                 parsed.stream and parsed.include_usage, engine.system_fingerprint,
                                 parsed.stream and parsed.continuous_usage, len(prepared.add.prompt_token_ids))
+    tools = parsed.input.tools
+    if isinstance(formatter, ChatFormatter) and tools is not None and tools.is_active:
+        formatter.read_tool_calls(tools, format_for_template(engine.tokenizer.chat_template))
     async with contextlib.aclosing(engine.run(prepared)) as events:
         if parsed.stream:
             return await _stream(http_request, formatter, events, parsed.include_usage, prepared.n)

@@ -7,13 +7,18 @@ them from OpenAI JSON. Nothing here imports grpc or protobuf.
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shared.errors import SpindleError
 from shared.execute import MultiModalItem
 from shared.grammar import Grammar
 from shared.sampling import SamplingOptions
 from shared.types import RequestKind, StopReason
+
+if TYPE_CHECKING:
+    from services.frontend.tools import ToolRequest
 
 
 class FinishReason(enum.Enum):
@@ -22,6 +27,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"  # cancelled, deadline, shutdown
+    TOOL_CALLS = "tool_calls"  # chat: the answer is function calls (set by the chat formatter)
 
 
 @dataclass(slots=True, frozen=True)
@@ -122,6 +128,36 @@ class ChatMessage:
     role: str
     content: str
     images: tuple[str, ...] = ()  # image URLs (data: or http(s):), in content order
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's function calls
+    tool_call_id: str = ""  # a tool turn: the call it answers
+    name: str = ""  # a tool turn: the function's name, when the client gives it
+
+    def to_template(self) -> dict[str, object]:
+        """The message as chat templates expect it (tool-call arguments as objects, as HF templates use them)."""
+        message: dict[str, object] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": c.arguments_for_template()}} for c in self.tool_calls]
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name:
+            message["name"] = self.name
+        return message
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCall:
+    """One function call: in an assistant turn of the request, or parsed from the output."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text of the arguments object, as OpenAI carries it
+
+    def arguments_for_template(self) -> object:
+        try:
+            return json.loads(self.arguments)
+        except ValueError:
+            return self.arguments
 
 
 @dataclass(slots=True)
@@ -144,6 +180,7 @@ class GenerateInput:
     best_of: int | None = None  # candidates to generate, the n most likely returned; None: n
     echo: bool = False  # the prompt's text comes first in each choice (an `is_prompt` chunk)
     images: list[str | bytes] = field(default_factory=list)  # URLs or image bytes, in prompt order
+    tools: ToolRequest | None = None  # chat: the functions the model may call (tools.py)
 
 
 @dataclass(slots=True, frozen=True)

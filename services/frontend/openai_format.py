@@ -11,7 +11,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from services.frontend.messages import FinishReason, GenerateChunk, GenerateComplete, PositionLogprobs, Usage
+from services.frontend.messages import (
+    FinishReason,
+    GenerateChunk,
+    GenerateComplete,
+    PositionLogprobs,
+    ToolCall,
+    Usage,
+)
+from services.frontend.tool_parsers import ToolCallFormat, ToolCallReader, ToolDelta, reader_for
+from services.frontend.tools import ToolRequest
 from shared.errors import ErrorKind, SpindleError
 
 TokenText = Callable[[int], str]
@@ -86,12 +95,27 @@ def completion_choice(index: int, text: str, finish: FinishReason | None, logpro
 
 
 def chat_choice(index: int, text: str, finish: FinishReason | None, logprobs: dict[str, object] | None,
-                matched_stop: str | None = None) -> dict[str, object]:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": _finish(finish), "stop_reason": matched_stop}
+                matched_stop: str | None = None, tool_calls: list[ToolCall] | None = None) -> dict[str, object]:
+    message: dict[str, object] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["content"] = text or None
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in tool_calls]
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": _finish(finish),
+            "stop_reason": matched_stop}
 
 
-def chat_delta_choice(index: int, delta: dict[str, str], finish: FinishReason | None,
+def _tool_delta(read: ToolDelta) -> dict[str, object]:
+    delta: dict[str, object] = {}
+    if read.content or not read.calls:
+        delta["content"] = read.content
+    if read.calls:
+        delta["tool_calls"] = [call.to_openai() for call in read.calls]
+    return delta
+
+
+def chat_delta_choice(index: int, delta: dict[str, object], finish: FinishReason | None,
                       logprobs: dict[str, object] | None) -> dict[str, object]:
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": _finish(finish)}
 
@@ -220,6 +244,30 @@ class ChatFormatter(ResponseFormatter):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._tools: ToolRequest | None = None
+        self._readers: dict[int, ToolCallReader] = {}  # per choice
+        self._tool_format = ToolCallFormat.HERMES
+
+    def read_tool_calls(self, tools: ToolRequest, model_format: ToolCallFormat) -> None:
+        """Answer with tool calls read from each choice's text (tools active in the request)."""
+        self._tools, self._tool_format = tools, model_format
+
+    def _reader(self, index: int) -> ToolCallReader | None:
+        if self._tools is None:
+            return None
+        if index not in self._readers:
+            self._readers[index] = reader_for(self._tools, self._tool_format)
+        return self._readers[index]
+
+    def _finish_reason(self, reader: ToolCallReader | None, reason: FinishReason | None) -> FinishReason | None:
+        """stop becomes tool_calls when the answer made calls (not for a named function: OpenAI says stop)."""
+        named = self._tools is not None and self._tools.choice == "function"
+        if reader is not None and reader.calls and reason is FinishReason.STOP and not named:
+            return FinishReason.TOOL_CALLS
+        return reason
+
     def _logprobs(self, positions: list[PositionLogprobs] | None) -> dict[str, object] | None:
         return None if positions is None else chat_logprobs(positions, self.token_text)
 
@@ -228,15 +276,26 @@ class ChatFormatter(ResponseFormatter):
                 for i in range(n)]
 
     def _chunk_choice(self, chunk: GenerateChunk) -> dict[str, object]:
-        return chat_delta_choice(chunk.index, {"content": chunk.text}, None, self._logprobs(chunk.logprobs))
+        reader = self._reader(chunk.index)
+        delta = {"content": chunk.text} if reader is None else _tool_delta(reader.feed(chunk.text))
+        return chat_delta_choice(chunk.index, delta, None, self._logprobs(chunk.logprobs))
 
     def end_chunk(self, complete: GenerateComplete) -> dict[str, object]:
-        return self._chunk([chat_delta_choice(complete.index, {}, complete.finish_reason, None)])
+        reader = self._reader(complete.index)
+        delta: dict[str, object] = {}
+        if reader is not None and ((last := reader.finish()).content or last.calls):
+            delta = _tool_delta(last)
+        finish = self._finish_reason(reader, complete.finish_reason)
+        return self._chunk([chat_delta_choice(complete.index, delta, finish, None)])
 
     def response(self, choices: Sequence[Choice], usage: Usage) -> dict[str, object]:
         bodies = []
         for choice in choices:
             assert choice.complete is not None
-            bodies.append(chat_choice(choice.index, "".join(choice.texts), choice.complete.finish_reason,
-                                      self._logprobs(choice.logprobs), choice.complete.matched_stop))
+            text, calls, reader = "".join(choice.texts), None, self._reader(choice.index)
+            if reader is not None:
+                first, last = reader.feed(text), reader.finish()
+                text, calls = first.content + last.content, reader.calls
+            bodies.append(chat_choice(choice.index, text, self._finish_reason(reader, choice.complete.finish_reason),
+                                      self._logprobs(choice.logprobs), choice.complete.matched_stop, calls))
         return self._whole(bodies, usage)

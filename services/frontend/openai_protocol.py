@@ -2,7 +2,7 @@
 
 Checks JSON types field by field (a wrong type is a 400 naming the field), maps OpenAI and
 vLLM-style extra fields onto `SamplingRequest`, and rejects features spindle does not serve
-(suffix, echo with logprobs, tools, ...) with a clear message instead of ignoring them.
+(suffix, echo with logprobs, ...) with a clear message instead of ignoring them.
 Range checks are `validation.py`'s job. Unknown fields are ignored, as OpenAI clients send many.
 Whatever the body holds, parsing fails only with a 400: bytes that are not UTF-8, lone
 surrogates (`"\\ud800"`, which no tokenizer or encoder accepts), nesting deeper than the
@@ -12,6 +12,7 @@ excerpt of a client's value.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import re
@@ -19,8 +20,9 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from services.frontend.messages import IMAGE_MARKER, ChatMessage, GenerateInput, SamplingRequest
+from services.frontend.messages import IMAGE_MARKER, ChatMessage, GenerateInput, SamplingRequest, ToolCall
 from services.frontend.response_format import parse_grammar
+from services.frontend.tools import parse_tools
 from services.frontend.validation import quote, show_number
 from shared.errors import InvalidArgumentError, PayloadTooLargeError
 
@@ -283,7 +285,7 @@ def parse_completion(data: object) -> OpenAIRequest:
 def parse_chat(data: object) -> OpenAIRequest:
     """A /v1/chat/completions body with text messages."""
     body = JsonObject(data)
-    body.reject_if("tools", bool(body.raw("tools")), "tools (function calling) are not supported")
+    tools = parse_tools(body.raw("tools"), body.raw("tool_choice"), body.raw("parallel_tool_calls"))
     raw_messages = body.raw("messages")
     if not isinstance(raw_messages, list):
         raise InvalidArgumentError(f"messages must be a list of messages, got {type_name(raw_messages)}")
@@ -291,13 +293,20 @@ def parse_chat(data: object) -> OpenAIRequest:
     logprobs = (body.get_int("top_logprobs") or 0) if body.get_bool("logprobs") else None
     body.reject_if("top_logprobs", logprobs is None and body.get_int("top_logprobs") is not None,
                    "top_logprobs requires logprobs to be true")
+    sampling = _sampling(body, max_tokens, logprobs)
+    if tools is not None and (forced := tools.grammar()) is not None:
+        if sampling.grammar is not None:
+            raise InvalidArgumentError(f"tool_choice {tools.choice!r} constrains the output to tool calls; it "
+                                       "cannot be combined with response_format or structured_outputs")
+        sampling = dataclasses.replace(sampling, grammar=forced)
     generate = GenerateInput(
         model=body.get_str("model") or "",
         messages=(messages := [parse_message(m, i) for i, m in enumerate(raw_messages)]),
         images=[url for message in messages for url in message.images],
-        sampling=_sampling(body, max_tokens, logprobs),
+        sampling=sampling,
         skip_special_tokens=body.get_bool("skip_special_tokens", default=True),
         priority=body.get_int("priority") or 0,
+        tools=tools,
     )
     return _common(body, Endpoint.CHAT, generate)
 
@@ -316,12 +325,39 @@ def _max_completion_tokens(body: JsonObject) -> int | None:
 
 
 def parse_message(value: object, index: int) -> ChatMessage:
-    """messages[index] of a chat body: text and image_url parts (OpenAI's shape)."""
+    """messages[index] of a chat body: text and image_url parts (OpenAI's shape), an assistant's
+    tool_calls, a tool result's tool_call_id."""
     where = f"messages[{index}]"
     message = JsonObject(value, where)
     role = message.get_str("role")
     if not role:
         raise InvalidArgumentError(f"{where}.role is required")
+    tool_fields = {"tool_calls": _tool_calls(message.raw("tool_calls"), where),
+                   "tool_call_id": message.get_str("tool_call_id") or "", "name": message.get_str("name") or ""}
+    return dataclasses.replace(_message_content(message, role, where), **tool_fields)
+
+
+def _tool_calls(value: object, where: str) -> tuple[ToolCall, ...]:
+    """An assistant message's tool_calls: [{"id", "type": "function", "function": {"name", "arguments"}}]."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise InvalidArgumentError(f"{where}.tool_calls must be a list, got {type_name(value)}")
+    calls = []
+    for i, item in enumerate(value):
+        call = JsonObject(item, f"{where}.tool_calls[{i}]")
+        function = JsonObject(call.raw("function"), f"{where}.tool_calls[{i}].function")
+        name = function.get_str("name")
+        if not name:
+            raise InvalidArgumentError(f"{where}.tool_calls[{i}].function.name is required")
+        arguments = function.raw("arguments")
+        if not isinstance(arguments, str):  # OpenAI sends JSON text; an object is taken as it is
+            arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
+        calls.append(ToolCall(call.get_str("id") or "", name, arguments))
+    return tuple(calls)
+
+
+def _message_content(message: JsonObject, role: str, where: str) -> ChatMessage:
     content = message.raw("content")
     if content is None or isinstance(content, str):
         return ChatMessage(role, content or "")

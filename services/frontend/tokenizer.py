@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -62,17 +63,24 @@ class Tokenizer:
         """Ids the tokenizer can decode (the model's embedding table may be padded beyond them)."""
         return len(self.hf)
 
-    def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
-        conversation = [{"role": m.role, "content": m.content} for m in messages]
+    @property
+    def chat_template(self) -> str:
+        """The chat template's text ("" without one): what it says decides the tool-call format."""
+        template = getattr(self.hf, "chat_template", None)
+        return template if isinstance(template, str) else json.dumps(template or "")
+
+    def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                     tools: list[dict[str, object]] | None = None) -> str:
+        conversation = [m.to_template() for m in messages]
         try:
-            return str(self.hf.apply_chat_template(conversation, tokenize=False,
+            return str(self.hf.apply_chat_template(conversation, tools=tools, tokenize=False,
                                                    add_generation_prompt=add_generation_prompt))
         except Exception as exc:  # jinja2 errors raised by the template itself (e.g. role order)
             raise InvalidArgumentError(f"messages: the chat template rejected them: {exc}") from exc
 
     async def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                          add_special_tokens: bool = False) -> list[int]:
-        """Apply the model's chat template (with the generation prompt) and tokenize the result.
+                          add_special_tokens: bool = False, tools: list[dict[str, object]] | None = None) -> list[int]:
+        """Apply the model's chat template (with the generation prompt and `tools`) and tokenize the result.
 
         The rendered template already holds the special tokens (BOS), so none are added again
         unless `add_special_tokens` (vLLM's /tokenize option) asks for them.
@@ -82,7 +90,7 @@ class Tokenizer:
                 "this model has no chat template, so chat requests are not supported; "
                 "use /v1/completions with a prompt instead"
             )
-        text = await self._run(functools.partial(self._render_chat, messages, add_generation_prompt))
+        text = await self._run(functools.partial(self._render_chat, messages, add_generation_prompt, tools))
         return await self.encode(text, add_special_tokens=add_special_tokens)
 
     def _encode_batch(self, texts: list[str] | list[tuple[str, str]], max_length: int | None) -> list[Encoded]:
