@@ -12,6 +12,11 @@ and the speedups (off / on for TTFT, on / off for throughput); writes JSON to be
     python -m benchmarks.prefix_cache_bench                      # 64 requests, 512 + 32 -> 32, conc 16
     python -m benchmarks.prefix_cache_bench --num-requests 8 --prefix-len 128 --concurrency 4
     python -m benchmarks.prefix_cache_bench --model medium --spindle-arg=--num-scheduler-steps=8
+    python -m benchmarks.prefix_cache_bench --modes prefix-cache-on,prefix-cache-on-2-workers   # 1 vs 2 workers
+
+With --workers 2 (mode prefix-cache-on-2-workers, the cores split between the workers) the
+scheduler's placement must spread the shared prefix over both workers instead of sending every
+request to the one that cached it first; the last line compares it with one worker.
 """
 
 from __future__ import annotations
@@ -37,11 +42,15 @@ logger = logging.getLogger("benchmarks.prefix_cache_bench")
 RESULTS_DIR = REPO / "benchmarks" / "results"
 CACHE_ON = "prefix-cache-on"
 CACHE_OFF = "prefix-cache-off"
+TWO_WORKERS = "prefix-cache-on-2-workers"
 # Environment each mode's services get; the scheduler's --enable-prefix-caching defaults from it.
 MODES: dict[str, dict[str, str]] = {
     CACHE_ON: {"SPINDLE_ENABLE_PREFIX_CACHING": "true"},
     CACHE_OFF: {"SPINDLE_ENABLE_PREFIX_CACHING": "false"},
+    TWO_WORKERS: {"SPINDLE_ENABLE_PREFIX_CACHING": "true"},
 }
+# Workers per mode: two splits the cores between them (placement must spread the shared prefix).
+MODE_WORKERS: dict[str, int] = {TWO_WORKERS: 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +152,11 @@ def format_table(rows: Sequence[ModeRow]) -> str:
                                                        ("req/s", sp.request_throughput),
                                                        ("out tok/s", sp.output_throughput)) if value is not None]
     lines.append("\nspeedup with the prefix cache: " + (", ".join(cells) if cells else "; ".join(sp.notes)))
+    by_mode = {r.mode: r.summary for r in rows if r.summary is not None}
+    one, two = by_mode.get(CACHE_ON), by_mode.get(TWO_WORKERS)
+    if one is not None and two is not None and one.output_throughput > 0:
+        ratio = two.output_throughput / one.output_throughput
+        lines.append(f"2 workers / 1 worker (cores split, cache on): out tok/s x{ratio:.2f}")
     return "\n".join(lines) + "\n"
 
 
@@ -153,7 +167,10 @@ def run_mode(settings: PrefixSettings, mode: str, stem: str) -> ModeRow:
     warmup, timed = settings.requests()
     model_dir = ensure_model(settings.model)
     log_path = RESULTS_DIR / f"prefix-{stem}-{mode}.log"
-    with spindle_server(model_dir, *settings.spindle_args, num_threads=settings.num_threads, log_path=log_path,
+    num_workers = MODE_WORKERS.get(mode, 1)
+    worker_args = ("--workers", str(num_workers)) if num_workers > 1 else ()
+    num_threads = max(1, settings.num_threads // num_workers)
+    with spindle_server(model_dir, *worker_args, *settings.spindle_args, num_threads=num_threads, log_path=log_path,
                         timeout_s=settings.server_timeout_s, extra_env=MODES[mode]) as server:
         config = LoadConfig(base_url=server.http_url, model=server.model_name, concurrency=settings.concurrency,
                             seed=settings.seed, timeout_s=settings.request_timeout_s)

@@ -428,3 +428,20 @@ def test_abort_of_a_held_sample_frees_it() -> None:
         sched.add_request(request, sink)
     assert sched.abort_request("s1", sink)
     assert list(sched.requests) == ["s0"] and len(sched.workers[0].held) == 0
+
+
+def test_a_shared_prefix_spreads_over_the_workers_once_one_is_overloaded() -> None:
+    """Every prompt starts with the same system prompt: the hit worker takes requests until
+    it is `allowed_imbalance` ahead, then the other computes the prefix once and both share."""
+    sched, workers = _make(num_workers=2)
+    sink = UpdateSink()
+    system = list(range(4, 36))  # two full blocks
+    sched.add_request(_req("warm", system + [40]), sink)
+    _run_until_done(sched, workers)
+    assert workers[0].kv is not None
+    for i in range(24):
+        sched.add_request(_req(f"r{i}", system + [41 + i], max_tokens=30), sink)
+    placed = [sched.requests[f"r{i}"].worker_index for i in range(24)]
+    assert placed[:3] == [0, 0, 0], "a hit wins while the load is close"
+    assert abs(placed.count(0) - placed.count(1)) <= 2 + 12 // 4, placed
+    assert 1 in placed[3:5], "the other worker takes one as soon as the hit worker is too far ahead"
