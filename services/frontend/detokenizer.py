@@ -10,11 +10,17 @@ tokens add, and only once it no longer ends with U+FFFD (an incomplete character
     delta = decode(ids[prefix_offset:]) minus decode(ids[prefix_offset:read_offset])
 
 Each step costs O(window), not O(output), so a long generation stays cheap per token.
+Byte-level BPE tokenizers need none of this: `ByteDetokenizer` looks each token's bytes up in
+a table (token_bytes.py) and decodes them with an incremental UTF-8 decoder, which holds an
+incomplete character back by itself; `make_detokenizer` picks it whenever a table exists.
 """
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Callable, Sequence
+
+from services.frontend.token_bytes import TokenBytes
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens kept as left context, so the first output token decodes as it does mid-text.
@@ -77,3 +83,26 @@ class IncrementalDetokenizer:
         window = self._ids[self._prefix_offset:]
         prefix_text = self._decode(window[: self._read_offset - self._prefix_offset], self._skip)
         return prefix_text, self._decode(window, self._skip)
+
+
+class ByteDetokenizer:
+    """The same contract as `IncrementalDetokenizer`, with one table read per token and no decode call."""
+
+    def __init__(self, token_bytes: TokenBytes, skip_special_tokens: bool = True) -> None:
+        self._token_bytes = token_bytes
+        self._skip = skip_special_tokens
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def step(self, new_token_ids: Sequence[int]) -> str:
+        return self._utf8.decode(self._token_bytes.bytes_of(list(new_token_ids), self._skip))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+def make_detokenizer(decode: Decode, token_bytes: TokenBytes | None, prompt_token_ids: Sequence[int] = (),
+                     skip_special_tokens: bool = True) -> IncrementalDetokenizer | ByteDetokenizer:
+    """The byte-table detokenizer where the tokenizer has a table, the windowed one otherwise."""
+    if token_bytes is not None:
+        return ByteDetokenizer(token_bytes, skip_special_tokens)
+    return IncrementalDetokenizer(decode, prompt_token_ids, skip_special_tokens)

@@ -185,7 +185,7 @@ class EngineClient:
         samples = [
             _Sample(i, add, OutputProcessor(prepared.request_id, self.tokenizer.decode, self.tokenizer.token_text,
                                             add.prompt_token_ids, add.sampling, prepared.stop,
-                                            prepared.skip_special_tokens))
+                                            prepared.skip_special_tokens, self.tokenizer.token_bytes))
             for i, add in enumerate(sample_requests(prepared.add, prepared.num_samples))
         ]
         telemetry = prepared.telemetry

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from services.frontend.detokenizer import Decode, IncrementalDetokenizer
+from services.frontend.detokenizer import Decode, make_detokenizer
 from services.frontend.messages import (
     FinishReason,
     GenerateChunk,
@@ -20,6 +20,7 @@ from services.frontend.messages import (
     Usage,
 )
 from services.frontend.stop_strings import StopStringMatcher
+from services.frontend.token_bytes import TokenBytes
 from shared.sampling import SamplingOptions
 from shared.types import StopReason
 
@@ -42,15 +43,16 @@ class OutputProcessor:
         options: the resolved sampling options (max_tokens, stop_token_ids, logprobs).
         stop: stop strings matched on the output text.
         skip_special_tokens: leave special tokens out of the text.
+        token_bytes: the tokenizer's byte table, when it has one (no decode call per step).
     """
 
     def __init__(self, request_id: str, decode: Decode, token_text: Callable[[int], str],
                  prompt_token_ids: Sequence[int], options: SamplingOptions, stop: Sequence[str] = (),
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, token_bytes: TokenBytes | None = None) -> None:
         self.request_id = request_id
         self._token_text = token_text
         self._options = options
-        self._detokenizer = IncrementalDetokenizer(decode, prompt_token_ids, skip_special_tokens)
+        self._detokenizer = make_detokenizer(decode, token_bytes, prompt_token_ids, skip_special_tokens)
         self._stops = StopStringMatcher(stop)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_cached_tokens = 0

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from services.frontend.messages import ChatMessage, TokenizeResult
+from services.frontend.token_bytes import TokenBytes
 from shared.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -40,9 +41,10 @@ class Tokenizer:
         self.hf = AutoTokenizer.from_pretrained(model_dir)
         self.eos_token_id: int | None = self.hf.eos_token_id
         self.has_chat_template = bool(getattr(self.hf, "chat_template", None))
+        self.token_bytes = TokenBytes.build(self.hf)  # None: the detokenizer decodes windows instead
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tokenizer")
-        logger.info("tokenizer loaded from %s (%d tokens, chat template: %s)", model_dir, len(self.hf),
-                    "yes" if self.has_chat_template else "no")
+        logger.info("tokenizer loaded from %s (%d tokens, chat template: %s, byte table: %s)", model_dir,
+                    len(self.hf), "yes" if self.has_chat_template else "no", "yes" if self.token_bytes else "no")
 
     async def _run(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
