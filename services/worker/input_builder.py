@@ -146,23 +146,29 @@ class ModelInputBuilder:
             attn_metadata=self.metadata_builder.build(common, extra_d),
         )
 
-    def advance(self, prev: ModelInput, sampled: torch.Tensor) -> ModelInput:
+    def advance(self, prev: ModelInput, sampled: torch.Tensor, keep: np.ndarray | None = None) -> ModelInput:
         """Next decode step of the requests that sampled in `prev`, computed on the device.
 
+        `keep` (indices into `prev.sample_rows`, ascending) leaves the other requests out: they
+        finished, and computing them further would be wasted. `sampled` covers all of `prev`'s.
         token = the sampled token, position + 1, seq_len + 1,
         slot = block_table[row, pos // block_size] * block_size + pos % block_size.
         """
         bs, common = self.block_size, prev.common
-        num = len(prev.sample_rows)
+        logits_indices, sample_index = prev.logits_indices, prev.sample_index
+        sample_index_host, sample_rows = prev.sample_index_host, prev.sample_rows
+        if keep is not None:
+            keep_d = torch.from_numpy(keep).to(self.device, non_blocking=True)
+            sampled, logits_indices, sample_index = sampled[keep_d], logits_indices[keep_d], sample_index[keep_d]
+            sample_index_host, sample_rows = sample_index_host[keep], sample_rows[keep]
+        num = len(sample_rows)
         all_rows = common.num_reqs == num and common.max_query_len == 1  # already decode-only
-        positions = prev.positions[prev.logits_indices] + 1
-        seq_lens = (common.seq_lens if all_rows else common.seq_lens[prev.sample_index]) + 1
+        positions = prev.positions[logits_indices] + 1
+        seq_lens = (common.seq_lens if all_rows else common.seq_lens[sample_index]) + 1
         assert common.block_tables is not None
-        block_tables = common.block_tables if all_rows else common.block_tables[prev.sample_index]
+        block_tables = common.block_tables if all_rows else common.block_tables[sample_index]
         slot_mapping = block_tables.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
-        seq_lens_host = (
-            common.seq_lens_host if all_rows else common.seq_lens_host[prev.sample_index_host]
-        ) + 1
+        seq_lens_host = (common.seq_lens_host if all_rows else common.seq_lens_host[sample_index_host]) + 1
         arange = torch.arange(num + 1, device=self.device)
         new_common = CommonAttentionMetadata(
             attn_type=AttentionType.DECODER,
@@ -177,14 +183,14 @@ class ModelInputBuilder:
             block_tables=block_tables,
             slot_mapping=slot_mapping,
         )
-        self.states.num_computed_tokens[prev.sample_rows] += 1
+        self.states.num_computed_tokens[sample_rows] += 1
         return ModelInput(
             input_ids=sampled,
             positions=positions,
             logits_indices=arange[:num],
             sample_index=arange[:num],
             sample_index_host=np.arange(num),
-            sample_rows=prev.sample_rows,
+            sample_rows=sample_rows,
             common=new_common,
             attn_metadata=self.metadata_builder.build(new_common, []),
         )

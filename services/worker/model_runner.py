@@ -2,10 +2,14 @@
 
 Rule (vLLM V2): this hot path is shared by all models; feature logic lives elsewhere
 (request state, input building, attention, sampling, penalties) and is called from here.
-Multi-step is the small loop in `execute_round`: step k+1 is launched before step k's tokens
-are awaited on the host, and every step's tokens go to `on_step` as soon as they arrive.
-With structured-output rows in the batch, a step's tokens are awaited before the next step
-samples (the forward pass is already launched): the grammar matchers advance on the host.
+Multi-step is the small loop in `_run_steps`, and every step's tokens go to `on_step` as soon
+as they are on the host. On CUDA step k+1 is launched before step k's tokens are awaited (the
+copy overlaps the next forward pass); on CPU nothing runs asynchronously, so step k is handed
+on right after it is sampled, before step k+1 computes: otherwise every token would reach the
+client one forward pass late. With structured-output rows in the batch (CUDA), a step's
+tokens are awaited before the next step samples (the forward pass is already launched): the
+grammar matchers advance on the host. Rows that finished leave the round's later steps
+(round_stops.py).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from services.worker.encoder_cache import EncoderCache
 from services.worker.grammar_state import GrammarState
 from services.worker.input_builder import ModelInput, ModelInputBuilder
 from services.worker.request_states import RequestStates
+from services.worker.round_stops import RoundRows, StopTable
 from services.worker.sampler import Sampler
 from services.worker.sampling_state import SamplingMetadata, SamplingState
 from services.worker.step_output import HostCopier, SampledStep
@@ -70,6 +75,7 @@ class ModelRunner:
         self.sampling_state = SamplingState(self.vocab_size, self.eos_token_ids, self.device)
         self.input_builder = ModelInputBuilder(self.states, self.backend.metadata_builder(), self.device)
         self.sampler = Sampler(self.sampling_state.penalty_tables, self.generator)
+        self.stops = StopTable(self.eos_token_ids)
         self.grammar_state.clear()
         # Vision-language models only: image features by content hash (see encoder_cache.py).
         self.encoder_cache = (
@@ -89,6 +95,7 @@ class ModelRunner:
         rows, num_scheduled = self.states.add_and_extend(round_)
         for row, new in zip(rows.tolist(), round_.new_requests, strict=False):
             self.sampling_state.add(row, new)
+            self.stops.add(row, new.sampling)
             if new.sampling.grammar is not None:
                 self.grammar_state.add(row, new.sampling.grammar, new.token_ids[new.num_prompt_tokens :])
         num_steps = max(round_.num_steps, 1)
@@ -105,38 +112,32 @@ class ModelRunner:
         num_scheduled: np.ndarray,
         on_step: Callable[[SampledStep], None],
     ) -> None:
+        samplers, rows, num_scheduled = self._start_round(rows, num_scheduled)
+        request_ids = [self.states.request_ids[r] or "" for r in samplers.rows.tolist()]
+        hand_on_now = not self.copier.is_async  # CPU: no copy to overlap, the next step would only delay it
         inputs: ModelInput | None = None
         metadata: SamplingMetadata | None = None
-        request_ids: list[str] = []
-        pending: SampledStep | None = None
         sampled: torch.Tensor | None = None
-        starts = np.zeros(0, np.int64)  # step 0's first position per row (image merging)
+        pending: SampledStep | None = None
+        starts = self.states.num_computed_tokens[rows].copy()  # step 0's first position per row (images)
         for step in range(num_steps):
-            out = SampledStep(round_id, step, step == num_steps - 1, request_ids)
-            if metadata is not None and inputs is not None:
-                out.rows = inputs.sample_rows
-            if step == 0 and len(rows):
-                starts = self.states.num_computed_tokens[rows].copy()
-                inputs = self.input_builder.build(rows, num_scheduled)
-                if len(inputs.sample_rows):
+            if step == 0:
+                inputs = self.input_builder.build(rows, num_scheduled) if len(rows) else None
+                if inputs is not None and len(inputs.sample_rows):
                     metadata = self.sampling_state.build(inputs.sample_rows)
-                    request_ids = [self.states.request_ids[r] or "" for r in inputs.sample_rows.tolist()]
-                    out.request_ids, out.rows = request_ids, inputs.sample_rows
-            elif metadata is not None and inputs is not None and sampled is not None:
-                inputs = self.input_builder.advance(inputs, sampled)
+            elif inputs is not None and metadata is not None and sampled is not None:
+                keep = samplers.narrow(step)
+                if not len(samplers.live):
+                    inputs = None  # every sampling row finished: the rest of the round is empty steps
+                else:
+                    inputs = self.input_builder.advance(inputs, sampled, keep)
+                    if keep is not None:
+                        metadata = self.sampling_state.build(inputs.sample_rows)
             else:
                 inputs = None  # nothing left to compute in this round: an empty step
+            out = SampledStep(round_id, step, step == num_steps - 1, request_ids, live=samplers.live)
             if inputs is not None:
-                embeds = None
-                if step == 0 and self.encoder_cache is not None:
-                    ids = [self.states.request_ids[r] or "" for r in rows.tolist()]
-                    embeds = self.encoder_cache.merge(inputs.input_ids, ids, starts, num_scheduled)
-                if embeds is None:
-                    hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
-                else:
-                    hidden = self.model(
-                        inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, embeds
-                    )
+                hidden = self._forward(inputs, rows, num_scheduled, starts if step == 0 else None)
                 if metadata is not None:
                     logits = self.model.compute_logits(hidden[inputs.logits_indices])
                     grammar_mask = None
@@ -147,14 +148,41 @@ class ModelRunner:
                         grammar_mask = self.grammar_state.mask(inputs.sample_rows)
                     result = self.sampler(logits, metadata, step, grammar_mask)
                     sampled = result.token_ids
+                    out.rows = inputs.sample_rows
                     self.copier.start(result, out, metadata.num_logprobs)
+                    samplers.sampled()
             if pending is not None:
                 self._deliver(pending, on_step)
-            pending = out
+                pending = None
+            if hand_on_now:
+                self._deliver(out, on_step)
+            else:
+                pending = out
         if pending is not None:
             self._deliver(pending, on_step)
-        if metadata is not None and inputs is not None:
-            self.sampling_state.record_round(inputs.sample_rows, num_steps)
+        self.sampling_state.record_round(samplers.rows, samplers.num_sampled)
+
+    def _start_round(self, rows: np.ndarray, num_scheduled: np.ndarray) -> tuple[RoundRows, np.ndarray, np.ndarray]:
+        """The round's sampling rows, and its step-0 batch without the sampling rows that stopped
+        already (the scheduler sent this round before it saw their stop; it discards their tokens)."""
+        st = self.states
+        samples = st.num_computed_tokens[rows] + num_scheduled == st.num_tokens[rows]  # as build() decides
+        samplers = RoundRows(self.stops, rows[samples], st.num_output(rows[samples]))
+        batch = ~samples
+        batch[np.flatnonzero(samples)[samplers.live]] = True
+        return samplers, rows[batch], num_scheduled[batch]
+
+    def _forward(
+        self, inputs: ModelInput, rows: np.ndarray, num_scheduled: np.ndarray, starts: np.ndarray | None
+    ) -> torch.Tensor:
+        """One forward pass; at step 0 (`starts` given) with image features merged in (VLMs)."""
+        embeds = None
+        if starts is not None and self.encoder_cache is not None:
+            ids = [self.states.request_ids[r] or "" for r in rows.tolist()]
+            embeds = self.encoder_cache.merge(inputs.input_ids, ids, starts, num_scheduled)
+        if embeds is None:
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, embeds)
 
     def _prepare_encoder(self, round_: ExecuteRound) -> None:
         """Register new requests' images, free and encode what the scheduler says, before step 0."""
@@ -165,10 +193,12 @@ class ModelRunner:
         self.encoder_cache.apply_round(round_)
 
     def _deliver(self, step: SampledStep, on_step: Callable[[SampledStep], None]) -> None:
-        """Wait for a step's host copy, record its tokens in the request state, hand it on."""
+        """Wait for a step's host copy, record its tokens (and stops) in the request state, hand it on."""
         step.wait()
         if step.token_ids is not None and step.rows is not None:
-            self.states.append_tokens(step.rows, step.token_ids.numpy())
+            tokens = step.token_ids.numpy()
+            self.states.append_tokens(step.rows, tokens)
+            self.stops.observe(step.rows, tokens, self.states.num_output(step.rows))
             if self.grammar_state.active:
-                self.grammar_state.consume(step.rows, step.token_ids.numpy())
+                self.grammar_state.consume(step.rows, tokens)
         on_step(step)

@@ -159,6 +159,10 @@ class RequestStates:
                 f"max_model_len {self.max_model_len})"
             )
 
+    def num_output(self, rows: np.ndarray) -> np.ndarray:
+        """Output tokens of `rows` so far (what the scheduler's stop rule counts)."""
+        return self.num_tokens[rows] - self.num_prompt_tokens[rows]
+
     def append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         """Record one sampled token for each of `rows` (distinct rows)."""
         self.token_ids[rows, self.num_tokens[rows]] = tokens

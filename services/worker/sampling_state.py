@@ -138,8 +138,9 @@ class SamplingState:
             for name in _BOOL_COLUMNS:
                 self.columns[name][row] = False
 
-    def record_round(self, rows: np.ndarray, num_steps_sampled: int) -> None:
-        """Host bookkeeping after a round: each sampling row generated `num_steps_sampled` tokens."""
+    def record_round(self, rows: np.ndarray, num_steps_sampled: np.ndarray | int) -> None:
+        """Host bookkeeping after a round: each sampling row generated `num_steps_sampled` tokens
+        (per row: a row that finished early left the round's later steps)."""
         self.columns["num_output"][rows] += num_steps_sampled
 
     def build(self, rows: np.ndarray) -> SamplingMetadata:

@@ -1,8 +1,10 @@
 """`SampledStep` / `PooledStep`: one step's results on their way to the host, and their conversion.
 
 On CUDA the device -> host copy runs on a side stream into pinned memory and is awaited only
-after the next step has been launched. `to_step_output` (the .tolist() work) is meant to run
-on the asyncio side, off the compute thread.
+after the next step has been launched; on CPU the tensors are the host values already. A step
+may cover only some of the round's sampling requests (`live`: the others stopped earlier, see
+round_stops.py); its `StepOutput` still lists them all, with placeholder values for the rest.
+`to_step_output` (the .tolist() work) is meant to run on the asyncio side, off the compute thread.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ class SampledStep:
     round_id: int
     step_index: int
     is_last_step: bool
-    request_ids: list[str]
-    rows: np.ndarray | None = None  # [S] RequestStates rows of request_ids (worker-internal)
+    request_ids: list[str]  # every sampling request of the round, in batch order
+    rows: np.ndarray | None = None  # [S] RequestStates rows of the computed entries (worker-internal)
+    # [S] indices into request_ids of the entries this step computed; None: all of them.
+    live: np.ndarray | None = None
     token_ids: torch.Tensor | None = None  # [S] int64, host
     logprobs: torch.Tensor | None = None  # [S] float32, host
     top_token_ids: torch.Tensor | None = None  # [S, N] host
@@ -45,21 +49,37 @@ class SampledStep:
             request_ids=self.request_ids,
             is_last_step=self.is_last_step,
         )
-        if self.token_ids is None:
+        if not self.request_ids:
             return out
-        out.token_ids = self.token_ids.tolist()
+        n, live = len(self.request_ids), self.live
+        if live is not None and len(live) == n:
+            live = None  # every entry computed (live is ascending): no placeholders
+        tokens = self.token_ids.numpy() if self.token_ids is not None else np.zeros(0, np.int64)
+        out.token_ids = _spread(tokens, live, n).tolist()
         if self.logprobs is not None:
-            out.logprobs = self.logprobs.tolist()
+            out.logprobs = _spread(self.logprobs.numpy(), live, n).tolist()
         if (
             self.top_token_ids is not None
             and self.top_logprobs is not None
             and self.num_top_logprobs is not None
         ):
             keep = np.arange(self.top_token_ids.shape[1])[None, :] < self.num_top_logprobs[:, None]
-            out.num_top_logprobs = self.num_top_logprobs.tolist()
+            out.num_top_logprobs = _spread(self.num_top_logprobs, live, n).tolist()  # 0 for placeholders
             out.top_token_ids = self.top_token_ids.numpy()[keep].tolist()
             out.top_logprobs = self.top_logprobs.numpy()[keep].tolist()
         return out
+
+
+def _spread(values: np.ndarray, live: np.ndarray | None, n: int) -> np.ndarray:
+    """`values` of the computed entries at their places among `n`; 0 (a placeholder) elsewhere.
+
+    The scheduler discards the placeholders: those requests finished at an earlier step.
+    """
+    if live is None:
+        return values
+    full = np.zeros(n, values.dtype)
+    full[live] = values
+    return full
 
 
 @dataclass(slots=True)
@@ -92,6 +112,11 @@ class HostCopier:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @property
+    def is_async(self) -> bool:
+        """Whether a copy completes later (CUDA): worth launching the next step before waiting."""
+        return self.stream is not None
 
     def start(
         self, out: SamplerOutput, step: SampledStep, num_top_logprobs: np.ndarray | None

@@ -8,6 +8,7 @@ rounds under a token budget, runs `num_steps` steps per round and stops requests
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,7 +132,12 @@ class ToyScheduler:
         max_tokens: int,
         sampling: SamplingOptions | None = None,
     ) -> ToyRequest:
-        req = ToyRequest(request_id, prompt, max_tokens, sampling or SamplingOptions(temperature=0.0))
+        # The worker replays the stop rule it is given (round_stops.py): tell it the toy's own
+        # (max_tokens, no EOS), as the real scheduler sends the rule it applies.
+        sampling = dataclasses.replace(
+            sampling or SamplingOptions(temperature=0.0), max_tokens=max_tokens, ignore_eos=True
+        )
+        req = ToyRequest(request_id, prompt, max_tokens, sampling)
         self.requests.append(req)
         return req
 
