@@ -38,7 +38,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).parent / "csrc" / "paged_attention.cpp",)
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "linear_small_m.cpp"))
 # 256-bit vectors even where -march=native's tuning prefers 128 (AMD Zen 1/2): the kernels keep
 # 4 heads x 16 fp32 accumulators in registers, which 128-bit vectors spill (measured: -25 % time).
 CXX_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp", "-std=c++20", "-fPIC", "-shared",

@@ -19,6 +19,7 @@ from torch import nn
 from services.worker.attention import AttentionBackend, LayerAttentionSpec
 from services.worker.models.base import SpindleModel, WeightTarget
 from services.worker.models.config import DecoderConfig
+from services.worker.models.fast_linear import FastLinear
 from services.worker.models.rope import RotaryEmbedding
 from shared.types import RequestKind
 
@@ -69,8 +70,8 @@ class Attention(nn.Module):
         super().__init__()
         h, d, kvh = config.num_heads, config.head_dim, config.num_kv_heads
         self.q_size, self.kv_size = h * d, kvh * d
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = FastLinear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = FastLinear(self.q_size, config.hidden_size, bias=config.o_bias)
         scale = d**-0.5 if config.attention_scale is None else config.attention_scale
         self.spec = LayerAttentionSpec(
             h, kvh, d, scale, config.sliding_windows[layer], logit_softcap=config.attn_logit_softcap
@@ -99,8 +100,8 @@ class MLP(nn.Module):
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = FastLinear(config.hidden_size, 2 * self.intermediate, bias=config.mlp_bias)
+        self.down_proj = FastLinear(self.intermediate, config.hidden_size, bias=config.mlp_bias)
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,7 +147,7 @@ class DecoderForCausalLM(SpindleModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, rope, backend) for i in range(config.num_layers))
         self.norm = _norm(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = FastLinear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = rope  # registered once so .to(device) moves its tables
         self.embed_scale: torch.Tensor | None = None
         self.tie_weights()

@@ -20,6 +20,7 @@ from services.worker.models import MODEL_REGISTRY, SENTENCE_TRANSFORMERS_BASES, 
 from services.worker.models.base import SpindleModel
 from services.worker.models.config import DecoderConfig
 from services.worker.models.encoder_config import EncoderConfig
+from services.worker.models.fast_linear import calibrate
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ def load_model(
     model.post_init()
     _load_weights(model, Path(model_dir))
     logger.info("loaded %s (%s) from %s", config.architecture, dtype, model_dir)
+    if device.type == "cpu" and dtype == torch.float32:
+        calibrate(model)  # which linear layers run few-row inputs through spindle's kernel
     return model.eval()
 
 
