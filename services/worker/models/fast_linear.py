@@ -13,6 +13,7 @@ counts and sets, per layer, the largest row count up to which the kernel won eve
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -22,6 +23,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+DISABLE_ENV = "SPINDLE_DISABLE_LINEAR_KERNEL"  # 1: torch's GEMM only (for side-by-side benchmarks)
 _REPEATS = 3
 
 
@@ -72,7 +74,7 @@ def calibrate(model: nn.Module) -> dict[tuple[int, int], int]:
 
     layers = [m for m in model.modules() if isinstance(m, FastLinear)
               and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
-    if not layers:
+    if not layers or os.environ.get(DISABLE_ENV) == "1":
         return {}
     try:
         load_kernels()
