@@ -3,8 +3,8 @@
 Rule (vLLM V2): this hot path is shared by all prefill-only models; feature logic lives
 elsewhere (models/, attention/, pooling.py) and is called from here. A round's
 `pooling_requests` run as ONE packed forward pass: tokens back to back with no padding
-([num_tokens, hidden] through every linear layer), bidirectional attention per sequence
-through the configured backend, then pooling, the model's head and optional L2 normalisation.
+([num_tokens, hidden] through every layer), bidirectional attention per sequence through the
+model's `EncoderAttention` (no padded copy on the CPU), then pooling, the model's head and optional L2 normalisation.
 No KV cache and no per-request state: every request is complete within its round. Inputs are
 built with numpy and reach the device in one copy. It never touches grpc or protobuf.
 """
@@ -74,7 +74,8 @@ class PoolingRunner:
         self.vocab_size = model.config.vocab_size
         self.type_vocab_size = model.config.type_vocab_size
         self.device = device
-        self.metadata_builder = backend.metadata_builder()
+        assert model.attention.backend is backend, "the model was built with another backend"
+        self.metadata_builder = model.attention.metadata_builder(device)
         self._pack = TransferPack(device)
 
     def reset(self) -> None:

@@ -1,8 +1,10 @@
 """BERT-family encoders (BERT, RoBERTa, XLM-RoBERTa) for embeddings and cross-encoder scores.
 
-Tokens arrive packed ([num_tokens, hidden], no padding); attention is bidirectional within each
-sequence and goes through the same backend interface as the decoders, with no KV cache. q/k/v
-are fused into one matmul. Post-norm layers and exact (erf) GELU, as HF BERT.
+Tokens arrive packed ([num_tokens, hidden], no padding) and stay packed through every layer:
+linear layers, LayerNorm and GELU run on [num_tokens, hidden] rows, and attention is
+bidirectional within each sequence with no KV cache (`EncoderAttention`: per-sequence views on
+the CPU, so no padded copy exists; the configured backend elsewhere). q/k/v are fused into one
+matmul. Post-norm layers and exact (erf) GELU, as HF BERT.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.attention import AttentionBackend, LayerAttentionSpec
+from services.worker.attention.packed_encoder import EncoderAttention
 from services.worker.models.base import SpindleModel, WeightTarget
 from services.worker.models.encoder_config import EncoderConfig
 from shared.types import RequestKind
@@ -68,7 +71,7 @@ class EncoderEmbeddings(nn.Module):
 class EncoderLayer(nn.Module):
     """Self-attention and MLP, each followed by residual add and LayerNorm (post-norm)."""
 
-    def __init__(self, config: EncoderConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: EncoderConfig, attention: EncoderAttention) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.layer_norm_eps
         self.hidden_size = h
@@ -80,12 +83,12 @@ class EncoderLayer(nn.Module):
         self.mlp_norm = nn.LayerNorm(h, eps=eps)
         heads, d = config.num_heads, config.head_dim
         self.spec = LayerAttentionSpec(heads, heads, d, d**-0.5)
-        self.backend = backend
+        self.attention = attention
 
     def forward(self, x: torch.Tensor, meta: Any) -> torch.Tensor:
         s = self.spec
         q, k, v = (t.view(-1, s.num_heads, s.head_dim) for t in self.qkv_proj(x).split(self.hidden_size, -1))
-        attn = self.backend.forward(s, q, k, v, None, meta).reshape(-1, self.hidden_size)
+        attn = self.attention.forward(s, q, k, v, meta).reshape(-1, self.hidden_size)
         x = self.attn_norm(self.o_proj(attn) + x)
         return self.mlp_norm(self.down_proj(F.gelu(self.up_proj(x))) + x)
 
@@ -114,8 +117,9 @@ class EncoderModel(SpindleModel):
     def __init__(self, config: EncoderConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
+        self.attention = EncoderAttention(backend)  # the runner builds metadata through it too
         self.embeddings = EncoderEmbeddings(config)
-        self.layers = nn.ModuleList(EncoderLayer(config, backend) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(EncoderLayer(config, self.attention) for _ in range(config.num_layers))
 
     @property
     def pooled_size(self) -> int:

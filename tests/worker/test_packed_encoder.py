@@ -1,0 +1,139 @@
+"""Packed encoder attention: equal to the padded backends, and no padding anywhere in the pass."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from services.worker.attention import AttentionType, CommonAttentionMetadata, LayerAttentionSpec, create_backend
+from services.worker.attention.packed_encoder import (
+    EncoderAttention,
+    PackedEncoderMetadata,
+    PackedEncoderMetadataBuilder,
+)
+from services.worker.config import WorkerConfig
+from services.worker.kernels.build import kernels_error
+from services.worker.step_output import PooledStep
+from services.worker.worker import Worker
+from shared.execute import ExecuteRound, PoolingRequestData
+from shared.types import RequestKind
+
+LENS = [1, 200, 3, 64, 17, 2]  # very different lengths in one batch
+HEADS, DIM = 4, 8
+SPEC = LayerAttentionSpec(HEADS, HEADS, DIM, DIM**-0.5)
+
+
+def _common(lens: list[int]) -> CommonAttentionMetadata:
+    host = np.asarray(lens, np.int64)
+    starts = np.concatenate(([0], np.cumsum(host)))
+    return CommonAttentionMetadata(
+        attn_type=AttentionType.ENCODER_ONLY,
+        num_reqs=len(lens),
+        num_tokens=int(host.sum()),
+        max_query_len=int(host.max()),
+        max_seq_len=int(host.max()),
+        query_start_loc=torch.from_numpy(starts),
+        seq_lens=torch.from_numpy(host),
+        query_lens_host=host,
+        seq_lens_host=host,
+    )
+
+
+def _padded_metadata(attention: EncoderAttention, lens: list[int]) -> object:
+    """The backend's own (padded) encoder layout for `lens`, the reference."""
+    builder = attention.backend.metadata_builder()
+    host = np.asarray(lens, np.int64)
+    extra = builder.prepare(host, host, AttentionType.ENCODER_ONLY)
+    return builder.build(_common(lens), [torch.from_numpy(a) for a in extra])
+
+
+def _qkv(lens: list[int]) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(sum(lens), HEADS, DIM, generator=gen) * 2 for _ in range(3))
+
+
+def test_builder_gives_each_sequence_its_token_range() -> None:
+    meta = PackedEncoderMetadataBuilder().build(_common(LENS), [])
+    assert meta.bounds == ((0, 1), (1, 201), (201, 204), (204, 268), (268, 285), (285, 287))
+    assert meta.num_tokens == sum(LENS)
+    with pytest.raises(ValueError, match="encoder-only"):
+        PackedEncoderMetadataBuilder().prepare(np.array([3]), np.array([3]), AttentionType.DECODER)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "naive", "paged"])
+def test_packed_attention_equals_the_padded_backend(backend: str) -> None:
+    if backend == "paged" and kernels_error() is not None:
+        pytest.skip(f"paged kernels unavailable: {kernels_error()}")
+    attention = EncoderAttention(create_backend(backend, 16))
+    q, k, v = _qkv(LENS)
+    packed = attention.forward(SPEC, q, k, v, attention.metadata_builder(torch.device("cpu")).build(_common(LENS), []))
+    padded = attention.forward(SPEC, q, k, v, _padded_metadata(attention, LENS))
+    assert packed.shape == (sum(LENS), HEADS, DIM)
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_attention_computes_no_padding() -> None:
+    attention = EncoderAttention(create_backend("sdpa", 16))
+    seen: list[tuple[int, ...]] = []
+    kernel = attention.kernel
+
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        seen.append(tuple(q.shape))
+        return kernel(q, k, v, scale)
+
+    attention.kernel = spy
+    q, k, v = _qkv(LENS)
+    attention.forward(SPEC, q, k, v, PackedEncoderMetadataBuilder().build(_common(LENS), []))
+    assert seen == [(1, HEADS, n, DIM) for n in LENS]  # each sequence alone: sum of lengths, no padded rows
+
+
+def test_attention_outside_the_cpu_uses_the_backend_layout() -> None:
+    attention = EncoderAttention(create_backend("sdpa", 16))
+    assert isinstance(attention.metadata_builder(torch.device("cpu")), PackedEncoderMetadataBuilder)
+    assert not isinstance(attention.metadata_builder(torch.device("meta")), PackedEncoderMetadataBuilder)
+
+
+def _requests(kind: RequestKind) -> list[PoolingRequestData]:
+    gen = np.random.default_rng(1)
+    return [
+        PoolingRequestData(f"r{i}", kind, gen.integers(5, 1000, n).tolist(), [], False) for i, n in enumerate(LENS)
+    ]
+
+
+def _pooled(worker: Worker, requests: list[PoolingRequestData]) -> torch.Tensor:
+    steps: list[PooledStep] = []
+    worker.runner.execute_round(ExecuteRound(0, pooling_requests=requests), steps.append)
+    assert steps[0].values is not None
+    return steps[0].values
+
+
+@pytest.mark.parametrize(("model_fixture", "kind"), [("minilm_dir", RequestKind.EMBED),
+                                                      ("cross_encoder_dir", RequestKind.SCORE)])
+def test_encoder_round_is_packed_end_to_end_and_equals_the_padded_layout(
+    request: pytest.FixtureRequest, model_fixture: str, kind: RequestKind
+) -> None:
+    model_dir: Path = request.getfixturevalue(model_fixture)
+    worker = Worker(WorkerConfig(model=str(model_dir), attention_backend="sdpa", num_threads=2))
+    rows: list[int] = []
+    hooks = [m.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[0]))
+             for name, m in worker.model.named_modules()
+             if isinstance(m, nn.Linear | nn.LayerNorm) and not name.startswith("classifier")]
+    metas: list[object] = []
+    layer = worker.model.layers[0]
+    hooks.append(layer.register_forward_pre_hook(lambda _m, args: metas.append(args[1])))
+    requests = _requests(kind)
+    packed = _pooled(worker, requests)
+    for hook in hooks:
+        hook.remove()
+    assert isinstance(metas[0], PackedEncoderMetadata)
+    # every linear layer and LayerNorm of the trunk saw exactly the sum of the lengths: no padded rows
+    assert rows == [sum(LENS)] * (1 + 6 * len(worker.model.layers))
+
+    runner = worker.runner
+    runner.metadata_builder = worker.backend.metadata_builder()  # the padded layout, as before packing
+    padded = _pooled(worker, requests)
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)
