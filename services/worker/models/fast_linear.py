@@ -22,7 +22,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DISABLE_ENV = "SPINDLE_DISABLE_LINEAR_KERNEL"  # 1: torch's GEMM only (for side-by-side benchmarks)
 _REPEATS = 3
 

@@ -3,8 +3,9 @@
 // Why: decoding runs linear layers on 1..64 rows (one per stream). There the cost is reading
 // W, not the arithmetic, yet torch's fp32 GEMM (MKL on an AMD CPU) measured 12.7 GB/s for one
 // row and 2.7 GB/s for eight (it re-reads W per panel) on a machine that streams 21 GB/s.
-// This kernel takes 4 output features at a time and, for each block of 4 rows of x, keeps a
-// 4x4 tile of 8-wide accumulators in registers, so each W vector loaded feeds 4 FMAs and W
+// This kernel takes 4 output features at a time and, for each block of 3 rows of x, keeps a
+// 3x4 tile of 8-wide accumulators in registers (12 of AVX2's 16, plus the 4 W vectors: a 4x4
+// tile spilled and ran 1.7x slower at 8+ rows), so each W vector loaded feeds 3 FMAs and W
 // streams from memory once per call (the 4 W rows stay in L1 across the row blocks).
 // Output features are split across torch's threads. W may be fp32 or bf16: bf16 is widened
 // in registers (a shift), so bf16 weights halve the bytes read on CPUs without bf16 math.
@@ -25,7 +26,7 @@
 namespace spindle {
 namespace {
 
-constexpr int64_t kRowsPerBlock = 4;      // rows of x per register tile
+constexpr int64_t kRowsPerBlock = 3;      // rows of x per register tile (see above)
 constexpr int64_t kFeaturesPerBlock = 4;  // output features per register tile
 
 #ifdef __AVX2__
