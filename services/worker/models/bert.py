@@ -4,7 +4,8 @@ Tokens arrive packed ([num_tokens, hidden], no padding) and stay packed through 
 linear layers, LayerNorm and GELU run on [num_tokens, hidden] rows, and attention is
 bidirectional within each sequence with no KV cache (`EncoderAttention`: per-sequence views on
 the CPU, so no padded copy exists; the configured backend elsewhere). q/k/v are fused into one
-matmul. Post-norm layers and exact (erf) GELU, as HF BERT.
+matmul; on the CPU the layers' GEMMs run on oneDNN-prepacked weights (`PrepackedLinear`).
+Post-norm layers and exact (erf) GELU, as HF BERT.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from services.worker.attention import AttentionBackend, LayerAttentionSpec
 from services.worker.attention.packed_encoder import EncoderAttention
 from services.worker.models.base import SpindleModel, WeightTarget
 from services.worker.models.encoder_config import EncoderConfig
+from services.worker.models.prepacked_linear import PrepackedLinear
 from shared.types import RequestKind
 
 # HF module path inside encoder.layer.N -> spindle module inside layers.N
@@ -75,11 +77,11 @@ class EncoderLayer(nn.Module):
         super().__init__()
         h, eps = config.hidden_size, config.layer_norm_eps
         self.hidden_size = h
-        self.qkv_proj = nn.Linear(h, 3 * h)
-        self.o_proj = nn.Linear(h, h)
+        self.qkv_proj = PrepackedLinear(h, 3 * h)
+        self.o_proj = PrepackedLinear(h, h)
         self.attn_norm = nn.LayerNorm(h, eps=eps)
-        self.up_proj = nn.Linear(h, config.intermediate_size)
-        self.down_proj = nn.Linear(config.intermediate_size, h)
+        self.up_proj = PrepackedLinear(h, config.intermediate_size)
+        self.down_proj = PrepackedLinear(config.intermediate_size, h)
         self.mlp_norm = nn.LayerNorm(h, eps=eps)
         heads, d = config.num_heads, config.head_dim
         self.spec = LayerAttentionSpec(heads, heads, d, d**-0.5)

@@ -1,0 +1,71 @@
+"""`PrepackedLinear`: an `nn.Linear` whose CPU float32 GEMM runs on weights oneDNN reordered once.
+
+Why: an encoder round is a few large GEMMs per layer, and on the CPU their speed is the
+worker's speed. torch's `F.linear` goes to MKL with the plain [out, in] weight every call;
+oneDNN with the weight reordered once into its blocked layout measured 5-10 % more FLOP/s at
+BERT's shapes (384x1152, 384x1536, 1536x384; 300-4096 rows: 72-86 vs 66-80 GFLOP/s on 2 AMD
+EPYC cores) and 1.5x at 10 rows, with float32 accumulation like MKL (results differ only in
+summation order).
+
+The reorder happens at the first forward (after the loader filled the weight) and again
+whenever the weight changes (its storage or version counter). Anything else (no oneDNN, another
+dtype or device, a build whose packed result does not reproduce `F.linear` on a probe) keeps
+`F.linear`, logged once per layer. Parameter names are `nn.Linear`'s, so checkpoints load unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+PACK_ROWS_HINT = 2048  # rows oneDNN tunes the layout for (the default round budget); any row count runs
+
+
+def _reorder(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The oneDNN-packed weight, or None (with the reason logged) where it cannot stand in for F.linear."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+        probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+        ok = torch.allclose(_packed_linear(probe, packed, bias), F.linear(probe, weight, bias), rtol=1e-4, atol=1e-4)
+    except (AttributeError, RuntimeError) as exc:  # an op missing or refusing this build
+        logger.info("linear %s keeps F.linear: oneDNN reorder failed (%s)", tuple(weight.shape), exc)
+        return None
+    if not ok:
+        logger.warning("linear %s keeps F.linear: the oneDNN result differs on a probe", tuple(weight.shape))
+        return None
+    return packed
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class PrepackedLinear(nn.Linear):
+    """nn.Linear; CPU float32 inputs run through oneDNN on a weight reordered once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self._packed: torch.Tensor | None = None
+        self._packed_for: tuple[int, int] | None = None  # (data_ptr, version) of the weight packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self._packed_weight()
+        if packed is None or x.dtype != torch.float32 or x.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, self.in_features)
+        return _packed_linear(rows, packed, self.bias).view(*x.shape[:-1], self.out_features)
+
+    def _packed_weight(self) -> torch.Tensor | None:
+        key = (self.weight.data_ptr(), self.weight._version)
+        if key != self._packed_for:
+            with torch.no_grad():
+                self._packed = _reorder(self.weight, self.bias)
+            self._packed_for = key
+        return self._packed

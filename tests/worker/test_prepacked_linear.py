@@ -1,0 +1,53 @@
+"""PrepackedLinear: the oneDNN path equals F.linear, follows weight changes, and falls back cleanly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.models.prepacked_linear import PrepackedLinear
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+def _layer(in_features: int = 48, out_features: int = 80) -> PrepackedLinear:
+    torch.manual_seed(0)
+    return PrepackedLinear(in_features, out_features)
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(1, 48), (7, 48), (300, 48), (2, 5, 48)])
+def test_matches_f_linear_at_any_row_count(shape: tuple[int, ...]) -> None:
+    layer = _layer()
+    x = torch.randn(*shape)
+    with torch.inference_mode():
+        out = layer(x)
+    assert layer._packed is not None  # the oneDNN path ran
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
+@needs_onednn
+def test_strided_input_and_weight_updates() -> None:
+    layer = _layer()
+    fused = torch.randn(20, 3 * 48)
+    x = fused[:, 48:96]  # a column slice of a fused projection, rows not contiguous
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        with torch.no_grad():
+            layer.weight.mul_(-2.0)  # e.g. the loader copying a checkpoint in after a first call
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
+def test_other_dtypes_keep_f_linear() -> None:
+    layer = _layer().to(torch.bfloat16)
+    x = torch.randn(4, 48, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        out = layer(x)
+    assert layer._packed is None
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias))
+
+
+def test_checkpoint_names_are_nn_linear_names() -> None:
+    assert set(_layer().state_dict()) == set(nn.Linear(48, 80).state_dict()) == {"weight", "bias"}
