@@ -4,9 +4,10 @@ Rule (vLLM V2): this hot path is shared by all prefill-only models; feature logi
 elsewhere (models/, attention/, pooling.py) and is called from here. A round's
 `pooling_requests` run as ONE packed forward pass: tokens back to back with no padding
 ([num_tokens, hidden] through every layer), bidirectional attention per sequence through the
-model's `EncoderAttention` (no padded copy on the CPU), then pooling, the model's head and optional L2 normalisation.
-No KV cache and no per-request state: every request is complete within its round. Inputs are
-built with numpy and reach the device in one copy. It never touches grpc or protobuf.
+model's `EncoderAttention` (no padded copy on the CPU), then pooling, the model's head and
+optional L2 normalisation. No KV cache and no per-request state: every request is complete
+within its round. Inputs are built with numpy and reach the device in one copy. It never
+touches grpc or protobuf.
 """
 
 from __future__ import annotations
