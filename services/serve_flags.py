@@ -48,6 +48,8 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
     # The model on the worker.
     ServeFlag("attention_backend", (WORKER,), str, "auto | paged | sdpa | naive | flash-attn"),
     ServeFlag("dtype", (WORKER,), str, "auto | float32 | bfloat16 | float16"),
+    ServeFlag("weight_dtype", (WORKER,), str,
+              "auto | float32 | bfloat16: linear weights' storage (bfloat16 with float32 activations on CPU)"),
     ServeFlag("device", (WORKER,), str, "auto | cpu | cuda"),
     ServeFlag("kv_cache_bytes", (WORKER,), int, "KV cache budget per CPU worker"),
     ServeFlag("block_size", (WORKER,), int, "tokens per KV block"),

@@ -14,7 +14,7 @@ import sys
 
 import grpc
 
-from services.worker.config import DEFAULT_LISTEN, WorkerConfig
+from services.worker.config import DEFAULT_LISTEN, WEIGHT_DTYPES, WorkerConfig
 from services.worker.round_pipeline import RoundPipeline
 from services.worker.servicer import WorkerServicer
 from services.worker.telemetry import WorkerTelemetry
@@ -58,6 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=_env("DTYPE", "auto"),
         choices=("auto", "float32", "bfloat16", "float16"),
         help="auto: float32 on CPU, bfloat16 on CUDA [SPINDLE_DTYPE]",
+    )
+    parser.add_argument(
+        "--weight-dtype",
+        default=_env("WEIGHT_DTYPE", "auto"),
+        choices=WEIGHT_DTYPES,
+        help="how linear weights are stored; auto: as --dtype. bfloat16 with float32 activations (CPU) "
+        "halves the bytes a decode step reads [SPINDLE_WEIGHT_DTYPE]",
     )
     parser.add_argument(
         "--attention-backend",
@@ -128,6 +135,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         listen=args.listen,
         device=args.device,
         dtype=args.dtype,
+        weight_dtype=args.weight_dtype,
         attention_backend=args.attention_backend,
         block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_bytes,

@@ -12,6 +12,7 @@ from shared.tls import TlsFiles
 DEFAULT_LISTEN = "0.0.0.0:50061"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,8 @@ class WorkerConfig:
         listen: address the WorkerService listens on.
         device: auto (cuda when available), cpu or cuda.
         dtype: auto (float32 on CPU, bfloat16 on CUDA) or an explicit torch dtype name.
+        weight_dtype: how decoder linear weights are stored; auto = dtype. bfloat16 under float32
+            activations (CPU) halves the bytes each decode step reads; the arithmetic stays float32.
         attention_backend: auto, sdpa, naive or flash-attn.
         block_size: tokens per KV-cache block (decoders; prefill-only models have no KV cache).
         kv_cache_bytes: KV-cache budget on CPU (on CUDA it is measured instead).
@@ -42,6 +45,7 @@ class WorkerConfig:
     listen: str = DEFAULT_LISTEN
     device: str = "auto"
     dtype: str = "auto"
+    weight_dtype: str = "auto"
     attention_backend: str = "auto"
     block_size: int = 16
     kv_cache_bytes: int = 512 * 1024 * 1024
@@ -62,6 +66,8 @@ class WorkerConfig:
             raise ValueError(f"{self.device=} must be one of {DEVICES}")
         if self.dtype not in DTYPES:
             raise ValueError(f"{self.dtype=} must be one of {DTYPES}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"{self.weight_dtype=} must be one of {WEIGHT_DTYPES}")
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "encoder_cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")

@@ -50,6 +50,23 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_weight_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """Storage dtype of linear weights: as the activations, or bfloat16 under float32 on a CPU.
+
+    Narrower weights pay only where spindle's CPU kernel widens them in registers; elsewhere
+    every call would widen a whole weight, so other combinations are refused at start-up.
+    """
+    weight_dtype = dtype if name == "auto" else _DTYPES[name]
+    if weight_dtype == dtype:
+        return dtype
+    if not (device.type == "cpu" and dtype == torch.float32 and weight_dtype == torch.bfloat16):
+        raise ValueError(
+            f"weight_dtype={name!r} with dtype {str(dtype).removeprefix('torch.')} on {device.type}: "
+            "only bfloat16 weights under float32 activations on a CPU are supported (or leave it auto)"
+        )
+    return weight_dtype
+
+
 class Worker:
     """A loaded model (with its KV cache for decoders), ready to execute rounds."""
 
@@ -59,6 +76,7 @@ class Worker:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.weight_dtype = resolve_weight_dtype(config.weight_dtype, self.dtype, self.device)
         backend_name = resolve_backend_name(config.attention_backend, self.device.type)
         if backend_name == "flash-attn" and self.dtype == torch.float32:
             if config.attention_backend != "auto":
@@ -78,11 +96,12 @@ class Worker:
         else:
             self.info = self._init_pooling()
         logger.info(
-            "worker ready: model=%s task=%s dtype=%s device=%s backend=%s num_kv_blocks=%d (%d tokens) "
-            "max_model_len=%d",
+            "worker ready: model=%s task=%s dtype=%s weight_dtype=%s device=%s backend=%s num_kv_blocks=%d "
+            "(%d tokens) max_model_len=%d",
             self.info.model_id,
             self.task.name,
             self.info.dtype,
+            str(self.weight_dtype).removeprefix("torch."),
             self.info.device,
             backend_name,
             self.info.num_kv_blocks,
@@ -111,7 +130,7 @@ class Worker:
         config = self.config
         self.decoder_config = model_config
         self.max_model_len = self._max_model_len(model_config.max_position_embeddings)
-        self.model = load_model(config.model, self.backend, self.dtype, self.device)
+        self.model = load_model(config.model, self.backend, self.dtype, self.device, self.weight_dtype)
         if self.device.type == "cuda":
             num_blocks = self._profile_num_blocks()
         else:
@@ -135,6 +154,9 @@ class Worker:
     def _init_pooling(self) -> WorkerInfo:
         """Embedding / cross-encoder model: no KV cache, no EOS; max_model_len honours ST's cap."""
         pooling = load_pooling_config(self.config.model, self.task)
+        if self.weight_dtype != self.dtype:
+            raise ValueError("weight_dtype applies to decoder models; leave it auto for embedding and "
+                             "cross-encoder models")
         self.max_model_len = self._max_model_len(
             self.model_config.max_position_embeddings, pooling.max_seq_length
         )

@@ -71,3 +71,42 @@ def test_greedy_matches_transformers(tiny_models: dict[str, Path], family: str, 
     for want, (text, finish) in zip(expected, http_results, strict=True):
         assert text == tokenizer.decode(want, skip_special_tokens=True)
         assert finish == ("stop" if want[-1] == 1 else "length")
+
+
+def _with_linear_weights_rounded_to_bf16(model_dir: Path, out_dir: Path) -> Path:
+    """A copy of `model_dir` whose linear weights (projections, LM head) are rounded to bfloat16.
+
+    Stored as float32, so transformers computes in float32 on exactly the weights spindle keeps
+    with --weight-dtype bfloat16; norms and embeddings stay as they were, as in spindle.
+    """
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out_dir)
+    for file in out_dir.glob("*.safetensors"):
+        tensors = load_file(str(file))
+        rounded = {name: t.to(torch.bfloat16).float() if name.endswith(("proj.weight", "lm_head.weight")) else t
+                   for name, t in tensors.items()}
+        assert rounded.keys() == tensors.keys() and any(not torch.equal(rounded[n], tensors[n]) for n in tensors)
+        save_file(rounded, str(file), metadata={"format": "pt"})
+    return out_dir
+
+
+def test_bf16_weights_match_transformers_on_the_same_rounded_weights(tiny_models: dict[str, Path],
+                                                                     tmp_path: Path) -> None:
+    """--weight-dtype bfloat16 keeps float32 arithmetic: greedy tokens equal transformers' on the rounded weights."""
+    model_dir = tiny_models["llama"]
+    oracle_dir = _with_linear_weights_rounded_to_bf16(model_dir, tmp_path / "rounded")
+    jobs = workload(seed=14)
+    expected = [greedy_tokens(oracle_dir, p, n) for p, n in jobs]
+    with spindle_serve(model_dir, "--weight-dtype", "bfloat16") as server:
+        grpc_results, http_results = asyncio.run(run_both_apis(server, jobs))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for (prompt, max_tokens), want, got in zip(jobs, expected, grpc_results, strict=True):
+        assert got.token_ids == want, f"gRPC prompt {prompt} max_tokens {max_tokens}"
+    for want, (text, _) in zip(expected, http_results, strict=True):
+        assert text == tokenizer.decode(want, skip_special_tokens=True)
+    unrounded = [greedy_tokens(model_dir, p, n) for p, n in jobs]
+    assert unrounded != expected, "rounding changed no output: the test would not see weights left in float32"

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.kernels.build import KernelBuildError, load_kernels
-from services.worker.models.fast_linear import FastLinear, calibrate
+from services.worker.models.fast_linear import FastLinear, calibrate, store_weights_as
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,5 +54,44 @@ def test_fast_linear_routes_by_the_calibrated_row_count(monkeypatch: pytest.Monk
 def test_calibrate_sets_every_layer_of_a_shape_alike() -> None:
     model = torch.nn.Sequential(FastLinear(64, 64), FastLinear(64, 64), FastLinear(64, 128))
     chosen = calibrate(model)
-    assert set(chosen) == {(64, 64), (128, 64)}
-    assert model[0].kernel_max_rows == model[1].kernel_max_rows == chosen[(64, 64)]
+    assert set(chosen) == {(64, 64, "float32"), (128, 64, "float32")}
+    assert model[0].kernel_max_rows == model[1].kernel_max_rows == chosen[(64, 64, "float32")]
+
+
+@pytest.mark.parametrize("slice_bytes", [1 << 30, 64 * 4 * 7])
+def test_blas_path_widens_bf16_weights_in_slices(monkeypatch: pytest.MonkeyPatch, slice_bytes: int) -> None:
+    """Past the kernel's rows, bf16 weights reach the BLAS widened (whole, or 7 features at a time)."""
+    from services.worker.models import fast_linear
+
+    monkeypatch.setattr(fast_linear, "_WIDEN_SLICE_BYTES", slice_bytes)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 5, 64, generator=gen)
+    weight = torch.randn(30, 64, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(30, generator=gen)
+    got = fast_linear.blas_linear(x, weight, bias)
+    torch.testing.assert_close(got, F.linear(x, weight.float(), bias), rtol=1e-5, atol=1e-5)
+
+
+def test_store_weights_as_bf16_keeps_a_tied_embedding_float32() -> None:
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(40, 16)
+            self.proj = FastLinear(16, 16)
+            self.head = FastLinear(16, 40, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = Tied()
+    before = model.embed.weight.detach().clone()
+    stored = store_weights_as(model, torch.bfloat16)
+    assert model.proj.weight.dtype == model.head.weight.dtype == torch.bfloat16
+    assert model.proj.bias.dtype == torch.float32 and model.embed.weight.dtype == torch.float32
+    assert torch.equal(model.embed.weight, before)
+    torch.testing.assert_close(model.head.weight.float(), before, rtol=1e-2, atol=1e-2)
+    assert stored == 2 * (16 * 16 + 40 * 16)
+    chosen = calibrate(model)
+    assert set(chosen) == {(16, 16, "bfloat16"), (40, 16, "bfloat16")}
+    with torch.inference_mode():
+        for rows in (1, 3, 300):
+            x = torch.randn(rows, 16)
+            torch.testing.assert_close(model.head(x), F.linear(x, model.head.weight.float()), rtol=1e-5, atol=1e-5)

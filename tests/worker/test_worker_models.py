@@ -106,3 +106,24 @@ def test_cross_encoder_config_over_a_bare_encoder_checkpoint_lacks_its_classifie
 def test_unsupported_encoder_configs_are_rejected(minilm_dir: Path, override: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_config(read_hf_config(minilm_dir) | override)
+
+
+def test_weight_dtype_is_bf16_under_float32_on_cpu_only() -> None:
+    from services.worker.worker import resolve_weight_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_weight_dtype("auto", torch.float32, cpu) == torch.float32
+    assert resolve_weight_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16
+    assert resolve_weight_dtype("bfloat16", torch.bfloat16, cuda) == torch.bfloat16  # the same as dtype
+    for name, dtype, device in (("bfloat16", torch.float32, cuda), ("float32", torch.bfloat16, cpu)):
+        with pytest.raises(ValueError, match="only bfloat16 weights under float32 activations on a CPU"):
+            resolve_weight_dtype(name, dtype, device)
+
+
+def test_bf16_weights_load_into_linear_layers_only(tiny_models: dict[str, Path]) -> None:
+    backend = create_backend("sdpa", 16)
+    model = load_model(tiny_models["llama"], backend, torch.float32, torch.device("cpu"), torch.bfloat16)
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    linear = {n for n in dtypes if n.endswith(("proj.weight", "lm_head.weight"))}
+    assert linear and all(dtypes[n] == torch.bfloat16 for n in linear)
+    assert all(dtypes[n] == torch.float32 for n in set(dtypes) - linear), "norms and embeddings stay float32"

@@ -8,6 +8,11 @@ is assumed: `calibrate` times both for each weight shape of the loaded model at 
 counts and sets, per layer, the largest row count up to which the kernel won every probe
 (0 where it never did, e.g. on a CPU where the BLAS is better). Same parameter names as
 `nn.Linear`, so checkpoints load unchanged.
+
+Weights may be stored in bfloat16 under float32 activations (`--weight-dtype bfloat16`,
+`store_weights_as`): a single stream then reads half the bytes. The kernel widens bf16 in
+registers; past its row count the BLAS gets float32 weights widened a slice at a time, because
+a bf16 GEMM on a CPU without bf16 math ran at ~1 GFLOP/s (measured on AVX2).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ logger = logging.getLogger(__name__)
 PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DISABLE_ENV = "SPINDLE_DISABLE_LINEAR_KERNEL"  # 1: torch's GEMM only (for side-by-side benchmarks)
 _REPEATS = 3
+_WIDEN_SLICE_BYTES = 4 << 20  # float32 weights widened per BLAS call: bounded for large vocabularies
 
 
 class FastLinear(nn.Linear):
@@ -37,7 +43,35 @@ class FastLinear(nn.Linear):
         if 0 < rows <= self.kernel_max_rows and x.dtype == torch.float32:
             y = torch.ops.spindle.linear_small_m(x.reshape(rows, x.shape[-1]), self.weight, self.bias)
             return y.view(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.weight, self.bias)
+        return blas_linear(x, self.weight, self.bias)
+
+
+def blas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear; weights stored narrower than `x` are widened a slice of output features at a time."""
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    step = max(1, _WIDEN_SLICE_BYTES // (weight.shape[1] * x.element_size()))
+    if step >= weight.shape[0]:
+        return F.linear(x, weight.to(x.dtype), bias)
+    y = x.new_empty(*x.shape[:-1], weight.shape[0])
+    for start in range(0, weight.shape[0], step):
+        part = slice(start, start + step)
+        y[..., part] = F.linear(x, weight[part].to(x.dtype), None if bias is None else bias[part])
+    return y
+
+
+def store_weights_as(model: nn.Module, dtype: torch.dtype) -> int:
+    """Store every FastLinear weight of `model` in `dtype` (biases and activations keep theirs).
+
+    A weight shared with an embedding (tied LM head) is copied rather than converted, so the
+    embedding keeps the activations' dtype. Returns the bytes the converted weights now take.
+    """
+    total = 0
+    for layer in (m for m in model.modules() if isinstance(m, FastLinear)):
+        if layer.weight.dtype != dtype:
+            layer.weight = nn.Parameter(layer.weight.detach().to(dtype), requires_grad=False)
+        total += layer.weight.numel() * layer.weight.element_size()
+    return total
 
 
 def _time(fn: object) -> float:
@@ -56,7 +90,7 @@ def kernel_max_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> int:
     for rows in PROBE_ROWS:
         x = torch.randn(rows, weight.shape[1], dtype=torch.float32)
         kernel = _time(lambda x=x: torch.ops.spindle.linear_small_m(x, weight, bias))
-        blas = _time(lambda x=x: F.linear(x, weight, bias))
+        blas = _time(lambda x=x: blas_linear(x, weight, bias))
         if kernel >= blas:
             break
         best = rows
@@ -64,8 +98,8 @@ def kernel_max_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> int:
 
 
 @torch.inference_mode()
-def calibrate(model: nn.Module) -> dict[tuple[int, int], int]:
-    """Set `kernel_max_rows` on every FastLinear of `model` (fp32 on CPU); returns it per (out, in) shape.
+def calibrate(model: nn.Module) -> dict[tuple[int, int, str], int]:
+    """Set `kernel_max_rows` on every CPU FastLinear of `model`; returns it per (out, in, weight dtype).
 
     Layers of one shape share one measurement. Without the kernels (not built, or disabled)
     everything stays on F.linear.
@@ -73,7 +107,7 @@ def calibrate(model: nn.Module) -> dict[tuple[int, int], int]:
     from services.worker.kernels.build import KernelBuildError, load_kernels
 
     layers = [m for m in model.modules() if isinstance(m, FastLinear)
-              and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+              and m.weight.device.type == "cpu" and m.weight.dtype in (torch.float32, torch.bfloat16)]
     if not layers or os.environ.get(DISABLE_ENV) == "1":
         return {}
     try:
@@ -82,12 +116,12 @@ def calibrate(model: nn.Module) -> dict[tuple[int, int], int]:
         logger.info("linear layers use torch's GEMM only: %s", exc)
         return {}
     start = time.perf_counter()
-    by_shape: dict[tuple[int, int], int] = {}
+    by_shape: dict[tuple[int, int, str], int] = {}
     for layer in layers:
-        shape = (layer.out_features, layer.in_features)
+        shape = (layer.out_features, layer.in_features, str(layer.weight.dtype).removeprefix("torch."))
         if shape not in by_shape:
             by_shape[shape] = kernel_max_rows(layer.weight, layer.bias)
         layer.kernel_max_rows = by_shape[shape]
-    logger.info("linear kernel chosen by measurement (%.1f s): up to %s rows per (out, in) shape",
+    logger.info("linear kernel chosen by measurement (%.1f s): up to %s rows per (out, in, weight dtype)",
                 time.perf_counter() - start, by_shape)
     return by_shape

@@ -20,7 +20,7 @@ from services.worker.models import MODEL_REGISTRY, SENTENCE_TRANSFORMERS_BASES, 
 from services.worker.models.base import SpindleModel
 from services.worker.models.config import DecoderConfig
 from services.worker.models.encoder_config import EncoderConfig
-from services.worker.models.fast_linear import calibrate
+from services.worker.models.fast_linear import calibrate, store_weights_as
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +55,17 @@ def parse_config(hf: dict) -> ModelConfig:
 
 
 def load_model(
-    model_dir: str | Path, backend: AttentionBackend, dtype: torch.dtype, device: torch.device
+    model_dir: str | Path,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+    weight_dtype: torch.dtype | None = None,
 ) -> SpindleModel:
-    """Build the model for `model_dir` and load its weights (on `device`, in `dtype`)."""
+    """Build the model for `model_dir` and load its weights (on `device`, in `dtype`).
+
+    `weight_dtype` (default `dtype`) is how the linear layers' weights are stored: bfloat16
+    under float32 activations halves the bytes a decode step reads.
+    """
     hf = read_hf_config(model_dir)
     config = parse_config(hf)
     model_cls, _, _ = resolve_model(config.architecture)
@@ -67,6 +75,9 @@ def load_model(
     model.post_init()
     _load_weights(model, Path(model_dir))
     logger.info("loaded %s (%s) from %s", config.architecture, dtype, model_dir)
+    if weight_dtype is not None and weight_dtype != dtype:
+        linear_bytes = store_weights_as(model, weight_dtype)
+        logger.info("linear weights stored as %s: %.1f MiB", weight_dtype, linear_bytes / 2**20)
     if device.type == "cpu" and dtype == torch.float32:
         calibrate(model)  # which linear layers run few-row inputs through spindle's kernel
     return model.eval()

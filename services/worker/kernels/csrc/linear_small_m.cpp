@@ -8,7 +8,10 @@
 // tile spilled and ran 1.7x slower at 8+ rows), so each W vector loaded feeds 3 FMAs and W
 // streams from memory once per call (the 4 W rows stay in L1 across the row blocks).
 // Output features are split across torch's threads. W may be fp32 or bf16: bf16 is widened
-// in registers (a shift), so bf16 weights halve the bytes read on CPUs without bf16 math.
+// (a shift), so bf16 weights halve the bytes read on CPUs without bf16 math. With one row block
+// the widening happens in registers; with more, each 4-feature slice of W is widened once into
+// an fp32 scratch that stays in L1/L2 and every row block reads that (widening per row block
+// measured 1.3x slower than fp32 weights at 16 rows; once per slice it costs 1/M of that).
 // Which calls use it is decided by measurement at run time (models/fast_linear.py).
 
 #include <ATen/Parallel.h>
@@ -18,6 +21,8 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -43,7 +48,8 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-// out[m][f] for rows [m0, m0 + nm) and features [f0, f0 + nf), nm <= 4, nf <= 4.
+// out[m][f0 + f] for rows [m0, m0 + nm) and features f < nf (nm <= 3, nf <= 4); `w` points at
+// feature f0's row of W.
 template <typename W>
 inline void tile(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t m0, int64_t nm, int64_t f0,
                  int64_t nf) {
@@ -56,7 +62,7 @@ inline void tile(const float* x, const W* w, float* y, int64_t K, int64_t N, int
   if (nm == kRowsPerBlock && nf == kFeaturesPerBlock) {
     for (; k + 8 <= K; k += 8) {
       __m256 wv[kFeaturesPerBlock];
-      for (int64_t f = 0; f < kFeaturesPerBlock; ++f) wv[f] = load8(w + (f0 + f) * K + k);
+      for (int64_t f = 0; f < kFeaturesPerBlock; ++f) wv[f] = load8(w + f * K + k);
       for (int64_t m = 0; m < kRowsPerBlock; ++m) {
         __m256 xv = _mm256_loadu_ps(x + (m0 + m) * K + k);
         for (int64_t f = 0; f < kFeaturesPerBlock; ++f) v[m][f] = _mm256_fmadd_ps(xv, wv[f], v[m][f]);
@@ -65,7 +71,7 @@ inline void tile(const float* x, const W* w, float* y, int64_t K, int64_t N, int
   } else {
     for (; k + 8 <= K; k += 8) {
       for (int64_t f = 0; f < nf; ++f) {
-        __m256 wv = load8(w + (f0 + f) * K + k);
+        __m256 wv = load8(w + f * K + k);
         for (int64_t m = 0; m < nm; ++m) v[m][f] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (m0 + m) * K + k), wv, v[m][f]);
       }
     }
@@ -75,19 +81,40 @@ inline void tile(const float* x, const W* w, float* y, int64_t K, int64_t N, int
 #endif
   for (; k < K; ++k)
     for (int64_t m = 0; m < nm; ++m)
-      for (int64_t f = 0; f < nf; ++f) acc[m][f] += x[(m0 + m) * K + k] * static_cast<float>(w[(f0 + f) * K + k]);
+      for (int64_t f = 0; f < nf; ++f) acc[m][f] += x[(m0 + m) * K + k] * static_cast<float>(w[f * K + k]);
   for (int64_t m = 0; m < nm; ++m)
     for (int64_t f = 0; f < nf; ++f) y[(m0 + m) * N + f0 + f] = acc[m][f];
+}
+
+// bf16 -> fp32 by a shift (exact), vectorised where AVX2 is there.
+inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX2__
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
 template <typename W>
 void run(const float* x, const W* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t num_blocks = (N + kFeaturesPerBlock - 1) / kFeaturesPerBlock;
+  constexpr bool kWiden = !std::is_same_v<W, float>;
+  const bool widen_once = kWiden && M > kRowsPerBlock;  // several row blocks share each slice of W
   at::parallel_for(0, num_blocks, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(widen_once ? kFeaturesPerBlock * K : 0);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t f0 = b * kFeaturesPerBlock;
       const int64_t nf = std::min(kFeaturesPerBlock, N - f0);
-      for (int64_t m0 = 0; m0 < M; m0 += kRowsPerBlock) tile(x, w, y, K, N, m0, std::min(kRowsPerBlock, M - m0), f0, nf);
+      if constexpr (kWiden) {
+        if (widen_once) {
+          widen(w + f0 * K, scratch.data(), nf * K);
+          for (int64_t m0 = 0; m0 < M; m0 += kRowsPerBlock)
+            tile(x, scratch.data(), y, K, N, m0, std::min(kRowsPerBlock, M - m0), f0, nf);
+        }
+      }
+      if (!widen_once)
+        for (int64_t m0 = 0; m0 < M; m0 += kRowsPerBlock)
+          tile(x, w + f0 * K, y, K, N, m0, std::min(kRowsPerBlock, M - m0), f0, nf);
       if (bias != nullptr)
         for (int64_t m = 0; m < M; ++m)
           for (int64_t f = 0; f < nf; ++f) y[m * N + f0 + f] += bias[f0 + f];
