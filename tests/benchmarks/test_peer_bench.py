@@ -16,7 +16,6 @@ from benchmarks.peer_bench import (
     plan,
     serve_shape,
     spindle_serve_args,
-    sweep_output_len,
 )
 from benchmarks.peer_report import SPINDLE, SWEEP, TABLE
 from benchmarks.peer_servers import (
@@ -61,11 +60,6 @@ def test_cli_flags() -> None:
     assert s.spindle_args == ("--num-scheduler-steps", "8")
 
 
-def test_sweep_output_outlasts_the_prefills() -> None:
-    assert sweep_output_len(128, 64) == 64 + 4
-    assert sweep_output_len(4096, 64) == 64 + 128
-
-
 def test_spindle_args_per_dtype_and_part() -> None:
     settings = PeerBenchSettings(spindle_args=("--num-scheduler-steps", "1"), contexts=(4096,))
     fp32, bf16 = (next(j for j in plan(settings) if j.server == SPINDLE and j.dtype == d and j.part == TABLE)
@@ -75,7 +69,7 @@ def test_spindle_args_per_dtype_and_part() -> None:
     sweep = next(j for j in plan(settings) if j.server == SPINDLE and j.part == SWEEP)
     args = spindle_serve_args(sweep, settings)
     assert args[-2] == "--kv-cache-bytes"
-    assert int(args[-1]) == kv_cache_bytes(BENCH_MODELS["small-long"], 64 * (4096 + 192))
+    assert int(args[-1]) == kv_cache_bytes(BENCH_MODELS["small-long"], 64 * (4096 + 64))
 
 
 def test_kv_cache_bytes() -> None:
