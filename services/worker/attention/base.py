@@ -92,6 +92,8 @@ class AttentionBackend(ABC):
     name: str
     # Backends that apply `LayerAttentionSpec.logit_softcap` say so; the others refuse it at start-up.
     supports_logit_softcap: bool = False
+    # Backends that can rotate q and k themselves (at the KV write) say so and offer `forward_rotary`.
+    fuses_rotary: bool = False
 
     def check_spec(self, spec: LayerAttentionSpec) -> None:
         """Raise ValueError, naming the option, for a layer this backend cannot compute exactly.

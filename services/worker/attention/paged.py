@@ -3,7 +3,9 @@
 The padded backends gather each row's whole history out of the cache per layer, padded to the
 longest row, so one long request makes every row of the batch pay for its length. Here each
 query walks its own row's block table (services/worker/kernels/csrc/paged_attention.cpp), so a
-step costs the sum of the rows' contexts; the same call stores this pass's keys and values.
+step costs the sum of the rows' contexts; the same call stores this pass's keys and values, and
+with `forward_rotary` applies the rotary embedding to queries and keys on the way (the decoder's
+fused path, models/fused.py), so no rotated q or k tensor is ever materialised.
 
 The only host work is once per forward pass, in the metadata builder: the rows are cut into
 work items (a row's query tokens in tiles of `QUERY_TILE`, so a long prefill chunk spreads
@@ -78,6 +80,7 @@ class PagedBackend(AttentionBackend):
 
     name = "paged"
     supports_logit_softcap = True  # the kernel caps scores (LayerAttentionSpec.logit_softcap)
+    fuses_rotary = True  # forward_rotary: the kernel rotates q and k (fp32) as it loads / stores them
 
     def __init__(self, block_size: int) -> None:
         load_kernels()  # raises KernelBuildError; the registry only picks this backend when it loads
@@ -99,6 +102,34 @@ class PagedBackend(AttentionBackend):
     ) -> torch.Tensor:
         if isinstance(metadata, PaddedMetadata):
             return self.encoder.forward(spec, query, key, value, kv_cache, metadata)
+        return self._attend(spec, query, key, value, kv_cache, metadata)
+
+    def forward_rotary(
+        self,
+        spec: LayerAttentionSpec,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim] float32, not yet rotated
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], not yet rotated
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: PagedMetadata,
+        positions: torch.Tensor,  # [num_tokens] int64
+        cos: torch.Tensor,  # [max_positions, rotary_dim] float32 (models/rope.py's tables)
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """`forward` with the rotary embedding applied inside the kernel (queries as it loads them,
+        keys as it writes them to the cache), bit for bit as `RotaryEmbedding` rotates them."""
+        return self._attend(spec, query, key, value, kv_cache, metadata, positions, cos, sin)
+
+    def _attend(
+        self,
+        spec: LayerAttentionSpec,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        metadata: PagedMetadata,
+        *rotary: torch.Tensor,
+    ) -> torch.Tensor:
         common = metadata.common
         assert kv_cache is not None and common.block_tables is not None and common.slot_mapping is not None
         return self._op(
@@ -114,6 +145,7 @@ class PagedBackend(AttentionBackend):
             spec.scale,
             spec.sliding_window or 0,
             getattr(spec, "logit_softcap", None) or 0.0,
+            *rotary,
         )
 
 

@@ -38,7 +38,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "linear_small_m.cpp"))
+_CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(_CSRC / name for name in ("paged_attention.cpp", "linear_small_m.cpp", "fused_ops.cpp"))
+HEADERS = (_CSRC / "fused_ops.h",)  # not compiled on their own, but part of a build's key
 # 256-bit vectors even where -march=native's tuning prefers 128 (AMD Zen 1/2): the kernels keep
 # 4 heads x 16 fp32 accumulators in registers, which 128-bit vectors spill (measured: -25 % time).
 CXX_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp", "-std=c++20", "-fPIC", "-shared",
@@ -74,8 +76,8 @@ def _cpu_features() -> str:
 def build_key() -> str:
     """Names one build: sources, flags, torch version and CPU features."""
     digest = hashlib.sha256()
-    for part in (*[p.read_bytes() for p in SOURCES], " ".join(CXX_FLAGS).encode(), torch.__version__.encode(),
-                 _cpu_features().encode()):
+    sources = [p.read_bytes() for p in (*SOURCES, *HEADERS)]
+    for part in (*sources, " ".join(CXX_FLAGS).encode(), torch.__version__.encode(), _cpu_features().encode()):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:16]

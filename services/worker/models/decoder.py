@@ -5,6 +5,11 @@ the paged KV cache. q/k/v and gate/up projections are fused into one matmul each
 them fused already; the others are fused at load). `DecoderConfig` flags add what a family
 needs: per-head q/k norms (Qwen3), Gemma's (1 + w) sandwich norms, embedding scale, attention
 scale and logit soft-capping.
+
+Layers pass on (delta, residual) rather than the summed stream, so each residual add happens in
+the norm that follows it (`RMSNorm.add_forward`): on the CPU with float32 activations that is
+one fused kernel, as are act(gate) * up and rotary + KV write (models/fused.py says which and
+why); elsewhere the same torch ops as transformers run, in its order.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from services.worker.attention import AttentionBackend, LayerAttentionSpec
 from services.worker.models.base import SpindleModel, WeightTarget
 from services.worker.models.config import DecoderConfig
 from services.worker.models.fast_linear import FastLinear
+from services.worker.models.fused import ACTIVATION_CODES, fused_kernels_error
 from services.worker.models.rope import RotaryEmbedding
 from shared.types import RequestKind
 
@@ -32,6 +38,7 @@ _FUSED = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_FLOAT32 = torch.float32
 
 
 class RMSNorm(nn.Module):
@@ -41,6 +48,8 @@ class RMSNorm(nn.Module):
     applied in float32 before the cast back, in that order, as transformers does.
     """
 
+    fused = False  # float32 inputs go through torch.ops.spindle's kernels (set by DecoderForCausalLM)
+
     def __init__(self, size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(size) if unit_offset else torch.ones(size))
@@ -48,6 +57,20 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.dtype == _FLOAT32:
+            return torch.ops.spindle.rms_norm(x, self.weight, self.eps, self.unit_offset)
+        return self._torch_forward(x)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, this norm of it): a residual add and the norm after it; residual None: (x, norm(x))."""
+        if residual is None:
+            return x, self(x)
+        if self.fused and x.dtype == _FLOAT32:
+            return torch.ops.spindle.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
+        residual = residual + x
+        return residual, self._torch_forward(residual)
+
+    def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -82,6 +105,7 @@ class Attention(nn.Module):
         self.k_norm = _norm(config, d) if config.qk_norm else None
         self.rope = rope
         self.backend = backend
+        self.fused_rotary = False  # float32 q/k rotate inside the backend's kernel (set by DecoderForCausalLM)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor | None, meta: Any
@@ -89,10 +113,16 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         s = self.spec
         q, k = q.view(-1, s.num_heads, s.head_dim), k.view(-1, s.num_kv_heads, s.head_dim)
+        v = v.view(-1, s.num_kv_heads, s.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
-        out = self.backend.forward(s, q, k, v.view(-1, s.num_kv_heads, s.head_dim), kv_cache, meta)
+        if self.fused_rotary and kv_cache is not None and q.dtype == _FLOAT32:
+            out = self.backend.forward_rotary(  # type: ignore[attr-defined]
+                s, q, k, v, kv_cache, meta, positions.contiguous(), self.rope.cos, self.rope.sin
+            )
+        else:
+            q, k = self.rope(positions, q, k)
+            out = self.backend.forward(s, q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -103,9 +133,14 @@ class MLP(nn.Module):
         self.gate_up_proj = FastLinear(config.hidden_size, 2 * self.intermediate, bias=config.mlp_bias)
         self.down_proj = FastLinear(self.intermediate, config.hidden_size, bias=config.mlp_bias)
         self.act = _ACTIVATIONS[config.hidden_act]
+        self.act_code = ACTIVATION_CODES[config.hidden_act]
+        self.fused = False  # float32 act(gate) * up in one kernel pass (set by DecoderForCausalLM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused and gate_up.dtype == _FLOAT32:
+            return self.down_proj(torch.ops.spindle.act_and_mul(gate_up, self.act_code))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -125,14 +160,23 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = _norm(config)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor | None, meta: Any
-    ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        self,
+        delta: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        meta: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's delta, the residual stream before it): the stream is `residual + delta`
+        (the embeddings alone on the first layer, residual None). Handing the last add on lets
+        the next norm do it in the same pass."""
+        residual, h = self.input_layernorm.add_forward(delta, residual)
+        attn = self.self_attn(h, positions, kv_cache, meta)
         if not self.sandwich:
-            x = x + attn
-            return x + self.mlp(self.post_attention_layernorm(x))
-        x = x + self.post_attention_layernorm(attn)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            residual, h = self.post_attention_layernorm.add_forward(attn, residual)
+            return self.mlp(h), residual
+        residual, h = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm(attn), residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class DecoderForCausalLM(SpindleModel):
@@ -160,10 +204,19 @@ class DecoderForCausalLM(SpindleModel):
     def post_init(self) -> None:
         self.rope.init_tables()  # float32, as HF computes them
         self.tie_weights()  # to_empty gives every module its own new parameters
+        weight = self.embed_tokens.weight
         if self.config.embed_scale is not None:
             # Gemma: a float32 scalar cast to the weights' dtype, then multiplied (as HF rounds it).
-            weight = self.embed_tokens.weight
             self.embed_scale = torch.tensor(self.config.embed_scale, device=weight.device).to(weight.dtype)
+        self.use_fused_kernels(fused_kernels_error(weight.device) is None)
+
+    def use_fused_kernels(self, enabled: bool) -> None:
+        """Route float32 norms, activations and (with a backend that can) rotary through the fused kernels."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, MLP)):
+                module.fused = enabled
+            elif isinstance(module, Attention):
+                module.fused_rotary = enabled and module.backend.fuses_rotary
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings, scaled where the family scales them (Gemma: sqrt(hidden_size))."""
@@ -196,9 +249,10 @@ class DecoderForCausalLM(SpindleModel):
     ) -> torch.Tensor:
         """Final hidden states [num_tokens, hidden_size]."""
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, None if kv_caches is None else kv_caches[i], meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, None if kv_caches is None else kv_caches[i], meta)
+        return self.norm.add_forward(x, residual)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab] for the rows that sample (soft-capped first where the family caps)."""

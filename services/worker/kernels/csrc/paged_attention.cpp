@@ -17,6 +17,11 @@
 // KV head's GQA group), a flash-style online softmax in fp32: running max, running sum and an
 // fp32 accumulator, rescaled once per block.
 //
+// Rotary embedding (optional: positions, cos and sin given): queries are rotated as they are
+// loaded into the item's fp32 buffer and keys as they are written to the cache, so the decoder
+// skips torch's rotary ops (models/rope.py) and the rotated q and k never exist as tensors.
+// fp32 queries only; the rotation rounds as torch's does (fused_ops.cpp).
+//
 // Build: compiled on the machine that runs it (-O3 -march=native, see kernels/build.py), so
 // the loops below are written for the compiler's vectoriser: fixed-stride inner loops over
 // head_dim or block_size under `omp simd`, no -inf masking (key ranges are clipped instead),
@@ -28,6 +33,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#include "fused_ops.h"
 
 #include <algorithm>
 #include <atomic>
@@ -84,15 +91,26 @@ struct Shape {
   int64_t window;                // 0: no sliding window
 };
 
+// Rotary tables for the fused rotation; cos == nullptr: q and k arrive rotated already.
+struct Rope {
+  const int64_t* positions = nullptr;  // [num_tokens]
+  const float* cos = nullptr;          // [max_positions, rotary_dim]
+  const float* sin = nullptr;
+  int64_t rotary_dim = 0;
+
+  const float* cos_row(int64_t token) const { return cos + positions[token] * rotary_dim; }
+  const float* sin_row(int64_t token) const { return sin + positions[token] * rotary_dim; }
+};
+
 // One work item: the query tokens [q_begin, q_end) of `row` (offsets within the row) for the
 // query heads that share KV head `kv_head`.
 template <typename q_t, typename kv_t>
 class ItemKernel {
  public:
-  ItemKernel(const Shape& s, const q_t* query, q_t* out, const kv_t* cache, const int64_t* block_tables,
-             const int64_t* seq_lens, const int64_t* query_start_loc)
-      : s_(s), query_(query), out_(out), cache_(cache), block_tables_(block_tables), seq_lens_(seq_lens),
-        query_start_loc_(query_start_loc) {}
+  ItemKernel(const Shape& s, const Rope& rope, const q_t* query, q_t* out, const kv_t* cache,
+             const int64_t* block_tables, const int64_t* seq_lens, const int64_t* query_start_loc)
+      : s_(s), rope_(rope), query_(query), out_(out), cache_(cache), block_tables_(block_tables),
+        seq_lens_(seq_lens), query_start_loc_(query_start_loc) {}
 
   void run(int64_t row, int64_t q_begin, int64_t q_end, int64_t kv_head) {
     const int64_t D = s_.head_dim, BS = s_.block_size, G = s_.num_heads / s_.num_kv_heads;
@@ -106,9 +124,18 @@ class ItemKernel {
     k_.resize(BS * D);
     v_.resize(BS * D);
     scores_.resize(kHeadTile * BS);
-    for (int64_t i = 0; i < nq; ++i) {  // queries in fp32, pre-scaled
-      const q_t* src = query_ + (query_start_loc_[row] + q_begin + i) * s_.q_stride + kv_head * G * D;
+    for (int64_t i = 0; i < nq; ++i) {  // queries in fp32, rotated where asked, pre-scaled
+      const int64_t token = query_start_loc_[row] + q_begin + i;
+      const q_t* src = query_ + token * s_.q_stride + kv_head * G * D;
       float* dst = q_.data() + i * G * D;
+      if constexpr (std::is_same_v<q_t, float>) {
+        if (rope_.cos != nullptr) {
+          for (int64_t h = 0; h < G; ++h)
+            rope_row(src + h * D, rope_.cos_row(token), rope_.sin_row(token), dst + h * D, rope_.rotary_dim, D,
+                     s_.scale);
+          continue;
+        }
+      }
 #pragma omp simd
       for (int64_t e = 0; e < G * D; ++e) dst[e] = to_float(src[e]) * s_.scale;
     }
@@ -263,6 +290,7 @@ class ItemKernel {
   static constexpr int kLanes = 16;    // fp32 lanes per partial sum: two AVX2 or one AVX-512 register
 
   const Shape& s_;
+  const Rope& rope_;
   const q_t* query_;
   q_t* out_;
   const kv_t* cache_;
@@ -272,20 +300,30 @@ class ItemKernel {
   std::vector<float> q_, acc_, max_, sum_, k_, v_, scores_;
 };
 
-// Stores this pass's keys and values at their slots, converting to the cache's dtype.
+// Stores this pass's keys (rotated first where `rope` says) and values at their slots,
+// converting to the cache's dtype.
 template <typename q_t, typename kv_t>
 void write_kv(const at::Tensor& key, const at::Tensor& value, kv_t* cache, const int64_t* slots,
-              int64_t num_blocks, int64_t block_size) {
-  const int64_t T = key.size(0), tok = key.size(1) * key.size(2);
+              int64_t num_blocks, int64_t block_size, const Rope& rope) {
+  const int64_t T = key.size(0), D = key.size(2), tok = key.size(1) * D;
   const q_t* k = key.data_ptr<q_t>();
   const q_t* v = value.data_ptr<q_t>();
   const int64_t ks = key.stride(0), vs = value.stride(0), values_at = num_blocks * block_size * tok;
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> rotated(tok);
     for (int64_t t = begin; t < end; ++t) {
       if (slots[t] < 0) continue;  // padding token: nothing to store
       kv_t* dk = cache + slots[t] * tok;
       kv_t* dv = dk + values_at;
-      for (int64_t e = 0; e < tok; ++e) dk[e] = from_float<kv_t>(to_float(k[t * ks + e]));
+      const q_t* src = k + t * ks;
+      if constexpr (std::is_same_v<q_t, float>) {  // rope_args allows rotation for fp32 only
+        if (rope.cos != nullptr) {
+          for (int64_t e = 0; e < tok; e += D)
+            rope_row(src + e, rope.cos_row(t), rope.sin_row(t), rotated.data() + e, rope.rotary_dim, D, 1.0f);
+          src = rotated.data();
+        }
+      }
+      for (int64_t e = 0; e < tok; ++e) dk[e] = from_float<kv_t>(to_float(src[e]));
       for (int64_t e = 0; e < tok; ++e) dv[e] = from_float<kv_t>(to_float(v[t * vs + e]));
     }
   });
@@ -295,17 +333,17 @@ template <typename q_t, typename kv_t>
 void run_typed(const Shape& s, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                const at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& work_items,
-               at::Tensor& out) {
+               const Rope& rope, at::Tensor& out) {
   kv_t* cache = kv_cache.data_ptr<kv_t>();
   if (slot_mapping.numel() > 0) {
-    write_kv<q_t, kv_t>(key, value, cache, slot_mapping.data_ptr<int64_t>(), s.num_blocks, s.block_size);
+    write_kv<q_t, kv_t>(key, value, cache, slot_mapping.data_ptr<int64_t>(), s.num_blocks, s.block_size, rope);
   }
   const int64_t num_items = work_items.size(0), total = num_items * s.num_kv_heads;
   const int64_t* items = work_items.data_ptr<int64_t>();
   std::atomic<int64_t> next{0};
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    ItemKernel<q_t, kv_t> kernel(s, query.data_ptr<q_t>(), out.data_ptr<q_t>(), cache,
+    ItemKernel<q_t, kv_t> kernel(s, rope, query.data_ptr<q_t>(), out.data_ptr<q_t>(), cache,
                                  block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
                                  query_start_loc.data_ptr<int64_t>());
     for (int64_t w = next.fetch_add(1); w < total; w = next.fetch_add(1)) {
@@ -319,17 +357,17 @@ template <typename q_t>
 void dispatch_cache(const Shape& s, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                     const at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& work_items,
-                    at::Tensor& out) {
+                    const Rope& rope, at::Tensor& out) {
   switch (kv_cache.scalar_type()) {
     case at::kFloat:
       return run_typed<q_t, float>(s, query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
-                                   query_start_loc, work_items, out);
+                                   query_start_loc, work_items, rope, out);
     case at::kBFloat16:
       return run_typed<q_t, c10::BFloat16>(s, query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
-                                           query_start_loc, work_items, out);
+                                           query_start_loc, work_items, rope, out);
     case at::kHalf:
       return run_typed<q_t, c10::Half>(s, query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
-                                       query_start_loc, work_items, out);
+                                       query_start_loc, work_items, rope, out);
     default:
       TORCH_CHECK(false, "paged_attention: unsupported KV cache dtype ", kv_cache.scalar_type());
   }
@@ -341,15 +379,41 @@ at::Tensor packed_rows(const at::Tensor& t) {
   return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
 }
 
+// The fused rotation's inputs, checked; all three absent: no rotation.
+Rope rope_args(const c10::optional<at::Tensor>& positions, const c10::optional<at::Tensor>& cos,
+               const c10::optional<at::Tensor>& sin, const at::Tensor& query, const at::Tensor& key) {
+  const bool given = positions.has_value() && positions->defined();
+  TORCH_CHECK(given == (cos.has_value() && cos->defined()) && given == (sin.has_value() && sin->defined()),
+              "paged_attention: positions, cos and sin come together");
+  if (!given) return {};
+  TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_attention: rotary embedding needs float32 queries");
+  TORCH_CHECK(positions->scalar_type() == at::kLong && positions->is_contiguous() && positions->dim() == 1 &&
+                  positions->size(0) == query.size(0),
+              "paged_attention: positions must be contiguous int64 [num_tokens]");
+  TORCH_CHECK(cos->scalar_type() == at::kFloat && sin->scalar_type() == at::kFloat && cos->is_contiguous() &&
+                  sin->is_contiguous() && cos->dim() == 2 && cos->sizes() == sin->sizes(),
+              "paged_attention: cos and sin must be contiguous float32 [max_positions, rotary_dim]");
+  const int64_t rotary_dim = cos->size(1), rows = cos->size(0);
+  TORCH_CHECK(rotary_dim % 2 == 0 && rotary_dim <= key.size(2), "paged_attention: rotary_dim must be even, <= head_dim");
+  const int64_t* pos = positions->data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions->size(0); ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < rows, "paged_attention: position ", pos[t], " outside the rotary table");
+  }
+  return {pos, cos->data_ptr<float>(), sin->data_ptr<float>(), rotary_dim};
+}
+
 }  // namespace
 
-// Writes key/value at slot_mapping (skipped when it is empty), then attends every query token
+// Writes key/value at slot_mapping (skipped when it is empty; keys rotated first when positions,
+// cos and sin are given, as are the queries), then attends every query token
 // of every row to the keys its row's block table holds up to its own position. work_items
 // [n, 3] int64: (row, first query offset, end query offset), processed largest first.
 at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
                            at::Tensor kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                           const at::Tensor& work_items, double scale, int64_t window, double softcap) {
+                           const at::Tensor& work_items, double scale, int64_t window, double softcap,
+                           const c10::optional<at::Tensor>& positions, const c10::optional<at::Tensor>& cos,
+                           const c10::optional<at::Tensor>& sin) {
   TORCH_CHECK(kv_cache.device().is_cpu() && kv_cache.is_contiguous() && kv_cache.dim() == 5,
               "paged_attention: kv_cache must be a contiguous CPU tensor [2, blocks, block_size, kv_heads, dim]");
   for (const at::Tensor* t : {&slot_mapping, &block_tables, &seq_lens, &query_start_loc, &work_items}) {
@@ -364,6 +428,7 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_in,
   TORCH_CHECK(key.size(1) == kv_cache.size(3) && key.size(2) == kv_cache.size(4) &&
                   query.size(2) == kv_cache.size(4) && query.size(1) % kv_cache.size(3) == 0,
               "paged_attention: head shapes do not match the cache");
+  const Rope rope = rope_args(positions, cos, sin, query, key);
   at::Tensor out = at::empty(query.sizes(), query.options());
   const Shape s{query.size(1),     kv_cache.size(3),       kv_cache.size(4),
                 kv_cache.size(2),  kv_cache.size(1),       query.stride(0),
@@ -372,15 +437,15 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_in,
   switch (query.scalar_type()) {
     case at::kFloat:
       dispatch_cache<float>(s, query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-                            work_items, out);
+                            work_items, rope, out);
       break;
     case at::kBFloat16:
       dispatch_cache<c10::BFloat16>(s, query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
-                                    query_start_loc, work_items, out);
+                                    query_start_loc, work_items, rope, out);
       break;
     case at::kHalf:
       dispatch_cache<c10::Half>(s, query, key, value, kv_cache, slot_mapping, block_tables, seq_lens,
-                                query_start_loc, work_items, out);
+                                query_start_loc, work_items, rope, out);
       break;
     default:
       TORCH_CHECK(false, "paged_attention: unsupported query dtype ", query.scalar_type());
@@ -394,7 +459,7 @@ TORCH_LIBRARY(spindle, m) {
   m.def(
       "paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor work_items, float scale, "
-      "int window, float softcap) -> Tensor");
+      "int window, float softcap, Tensor? positions=None, Tensor? cos=None, Tensor? sin=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(spindle, CPU, m) { m.impl("paged_attention", &spindle::paged_attention); }

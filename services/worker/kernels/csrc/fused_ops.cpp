@@ -1,0 +1,225 @@
+// The decoder step's elementwise work on the CPU in single passes: residual add + RMSNorm, and
+// act(gate) * up over the fused gate_up output (SiLU, or Gemma's tanh GELU). Also the rotary
+// helper that the paged attention kernel applies at its KV write (fused_ops.h).
+//
+// Why: in torch each of these is a chain of separate ops (an RMSNorm is pow, mean, add, rsqrt,
+// mul, mul; rotary is two index lookups and ~10 ops), each a dispatch of several microseconds
+// and a pass over memory. At decode sizes (1-64 rows) that overhead, not arithmetic, is their
+// cost. Which of them the decoder uses was chosen by measurement (models/fused_ops.py).
+//
+// Numerics follow Hugging Face's float32 code, rounding where it rounds: products are not
+// contracted into FMAs (the pragma below; torch rounds each op's result), so rotary and the
+// activations round like torch's separate ops. The RMSNorm's mean of squares is summed in a
+// different order than torch's reduction, so it may differ in the last bit.
+//
+// Paths by CPU: the loops are plain `omp simd` loops that -march=native vectorises for the CPU
+// that builds them (kernels/build.py); exp and tanh come from SLEEF (the vector library torch
+// itself links, so its silu and gelu kernels use the same functions) where the CPU has AVX2,
+// else from <cmath> one value at a time.
+
+#pragma GCC optimize("fp-contract=off")
+
+#include "fused_ops.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+#if defined(__AVX2__) && __has_include(<sleef.h>)
+#include <immintrin.h>
+#include <sleef.h>
+#define SPINDLE_HAVE_SLEEF_AVX2 1
+#endif
+
+namespace spindle {
+
+void rope_row(const float* x, const float* cos, const float* sin, float* out, int64_t rotary_dim, int64_t head_dim,
+              float scale) {
+  const int64_t half = rotary_dim / 2;
+#pragma omp simd
+  for (int64_t d = 0; d < half; ++d) out[d] = (x[d] * cos[d] - x[d + half] * sin[d]) * scale;
+#pragma omp simd
+  for (int64_t d = half; d < rotary_dim; ++d) out[d] = (x[d] * cos[d] + x[d - half] * sin[d]) * scale;
+  for (int64_t d = rotary_dim; d < head_dim; ++d) out[d] = x[d] * scale;
+}
+
+namespace {
+
+constexpr int64_t kGrainElements = 32768;  // elements per thread below which a call stays on one thread (torch's)
+
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Rows of `n` elements over threads, at least kGrainElements per thread.
+template <typename F>
+void for_rows(int64_t rows, int64_t n, const F& body) {
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, n));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) body(r);
+  });
+}
+
+// out = RMSNorm(s) as HF computes it in float32: s * rsqrt(mean(s^2) + eps), then w * that,
+// or that * (1 + w) for Gemma's unit-offset weights.
+template <typename W>
+void norm_row(const float* s, float* out, const W* w, int64_t n, float eps, bool unit_offset) {
+  float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < n; ++i) squares += s[i] * s[i];
+  const float inv = 1.0f / std::sqrt(squares / static_cast<float>(n) + eps);
+  if (unit_offset) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) out[i] = (s[i] * inv) * (1.0f + widen(w[i]));
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) out[i] = widen(w[i]) * (s[i] * inv);
+  }
+}
+
+// residual_out = x + residual (when given), out = RMSNorm(residual_out); x [rows, n] float32.
+template <typename W>
+void run_norm(const at::Tensor& x, const at::Tensor* residual, at::Tensor* residual_out, const at::Tensor& weight,
+              at::Tensor& out, double eps, bool unit_offset) {
+  const int64_t n = x.size(1), rows = x.size(0);
+  const float* xp = x.data_ptr<float>();
+  const float* rp = residual ? residual->data_ptr<float>() : nullptr;
+  float* sp = residual_out ? residual_out->data_ptr<float>() : nullptr;
+  const W* w = weight.data_ptr<W>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  for_rows(rows, n, [&](int64_t r) {
+    const float* s = xp + r * n;
+    if (rp != nullptr) {
+      float* dst = sp + r * n;
+      const float* a = rp + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) dst[i] = a[i] + s[i];
+      s = dst;
+    }
+    norm_row(s, op + r * n, w, n, e, unit_offset);
+  });
+}
+
+at::Tensor rows_of(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), what, ": expected a float32 CPU tensor");
+  return t.reshape({-1, t.size(-1)}).contiguous();
+}
+
+void norm_dispatch(const at::Tensor& x, const at::Tensor* residual, at::Tensor* residual_out,
+                   const at::Tensor& weight, at::Tensor& out, double eps, bool unit_offset) {
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
+              "rms_norm: weight must be a contiguous [hidden] tensor");
+  if (weight.scalar_type() == at::kFloat) {
+    run_norm<float>(x, residual, residual_out, weight, out, eps, unit_offset);
+  } else {
+    TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "rms_norm: weight must be float32 or bfloat16");
+    run_norm<c10::BFloat16>(x, residual, residual_out, weight, out, eps, unit_offset);
+  }
+}
+
+// --- activations -------------------------------------------------------------------------
+
+enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
+
+#ifdef SPINDLE_HAVE_SLEEF_AVX2
+// 8 gate values -> act(gate) * up, in the form and with the functions of torch's vectorised kernels.
+inline __m256 act_mul8(__m256 g, __m256 u, int64_t act) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  if (act == kSilu) {
+    const __m256 neg = _mm256_xor_ps(g, _mm256_set1_ps(-0.0f));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, Sleef_expf8_u10(neg))), u);
+  }
+  const __m256 beta = _mm256_set1_ps(static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5));
+  const __m256 kappa = _mm256_set1_ps(0.044715f);
+  const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+  const __m256 inner = _mm256_mul_ps(beta, _mm256_add_ps(g, _mm256_mul_ps(kappa, cube)));
+  const __m256 gelu = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(one, Sleef_tanhf8_u10(inner)));
+  return _mm256_mul_ps(gelu, u);
+}
+#endif
+
+// Scalar form: the fallback where SLEEF or AVX2 is missing.
+inline float act_mul1(float g, float u, int64_t act) {
+  if (act == kSilu) return g / (1.0f + std::exp(-g)) * u;
+  const float beta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5);
+  const float inner = beta * (g + 0.044715f * (g * g * g));
+  return 0.5f * g * (1.0f + std::tanh(inner)) * u;
+}
+
+void act_mul_row(const float* gate, const float* up, float* out, int64_t n, int64_t act) {
+  int64_t i = 0;
+#ifdef SPINDLE_HAVE_SLEEF_AVX2
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, act_mul8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i), act));
+  if (i < n) {  // the tail through the same vector code, so every element rounds alike
+    alignas(32) float g[8] = {}, u[8] = {}, o[8];
+    std::memcpy(g, gate + i, (n - i) * sizeof(float));
+    std::memcpy(u, up + i, (n - i) * sizeof(float));
+    _mm256_store_ps(o, act_mul8(_mm256_load_ps(g), _mm256_load_ps(u), act));
+    std::memcpy(out + i, o, (n - i) * sizeof(float));
+    i = n;
+  }
+#endif
+  for (; i < n; ++i) out[i] = act_mul1(gate[i], up[i], act);
+}
+
+}  // namespace
+
+// h = RMSNorm(x) for x [..., hidden] float32.
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps, bool unit_offset) {
+  const at::Tensor x = rows_of(x_in, "rms_norm");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  norm_dispatch(x, nullptr, nullptr, weight, out, eps, unit_offset);
+  return out.view(x_in.sizes());
+}
+
+// (residual + x, RMSNorm(residual + x)): a pre-norm layer's residual add and the next norm in one pass.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at::Tensor& residual_in,
+                                                const at::Tensor& weight, double eps, bool unit_offset) {
+  TORCH_CHECK(x_in.sizes() == residual_in.sizes(), "add_rms_norm: x and residual must have one shape");
+  const at::Tensor x = rows_of(x_in, "add_rms_norm"), residual = rows_of(residual_in, "add_rms_norm");
+  at::Tensor sum = at::empty(x.sizes(), x.options());
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  norm_dispatch(x, &residual, &sum, weight, out, eps, unit_offset);
+  return {sum.view(x_in.sizes()), out.view(x_in.sizes())};
+}
+
+// act(gate) * up for gate_up [..., 2 * I] (gate first, as the fused projection stores them) -> [..., I].
+at::Tensor act_and_mul(const at::Tensor& gate_up_in, int64_t activation) {
+  TORCH_CHECK(activation == kSilu || activation == kGeluTanh, "act_and_mul: activation 0 (silu) or 1 (gelu tanh)");
+  const at::Tensor gate_up = rows_of(gate_up_in, "act_and_mul");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "act_and_mul: last dimension must be even");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  std::vector<int64_t> shape(gate_up_in.sizes().begin(), gate_up_in.sizes().end());
+  shape.back() = n;
+  at::Tensor out = at::empty({rows, n}, gate_up.options());
+  const float* in = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for_rows(rows, n, [&](int64_t r) { act_mul_row(in + r * 2 * n, in + r * 2 * n + n, op + r * n, n, activation); });
+  return out.view(shape);
+}
+
+}  // namespace spindle
+
+TORCH_LIBRARY_FRAGMENT(spindle, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, bool unit_offset) -> (Tensor, Tensor)");
+  m.def("act_and_mul(Tensor gate_up, int activation) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(spindle, CPU, m) {
+  m.impl("rms_norm", &spindle::rms_norm);
+  m.impl("add_rms_norm", &spindle::add_rms_norm);
+  m.impl("act_and_mul", &spindle::act_and_mul);
+}

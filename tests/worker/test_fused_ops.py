@@ -1,0 +1,176 @@
+"""The decoder's fused CPU kernels against the unfused torch code they replace.
+
+- residual add + RMSNorm (`rms_norm`, `add_rms_norm`) against `RMSNorm`'s torch path: Llama's
+  and Gemma's unit-offset weights, fp32 and bf16 weights, odd widths, 1-64 rows;
+- act(gate) * up (`act_and_mul`) against `F.silu(gate) * up` and tanh-GELU;
+- rotary inside paged attention (`forward_rotary`) against `RotaryEmbedding` then `forward`:
+  the same cache contents and outputs, bit for bit, for full and partial rotary dims;
+- the decoder with the fused path on equals it off (hidden states, greedy tokens), and
+  SPINDLE_DISABLE_FUSED_KERNELS=1 turns it off.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.worker.attention import create_backend
+from services.worker.attention.base import AttentionType, CommonAttentionMetadata, LayerAttentionSpec
+from services.worker.attention.paged import create
+from services.worker.kernels.build import KernelBuildError, load_kernels
+from services.worker.models.decoder import RMSNorm
+from services.worker.models.fused import DISABLE_ENV, fused_kernels_error
+from services.worker.models.loader import load_model
+from services.worker.models.rope import RotaryEmbedding
+from services.worker.models.rope_scaling import RopeConfig
+from tests.worker.test_paged_attention import ROWS, _case
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    try:
+        load_kernels()
+    except KernelBuildError as exc:
+        pytest.skip(f"kernels unavailable: {exc}")
+
+
+def _norm(hidden: int, unit_offset: bool, weight_dtype: torch.dtype, seed: int) -> RMSNorm:
+    norm = RMSNorm(hidden, 1e-6, unit_offset)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=torch.Generator().manual_seed(seed)))
+    norm.weight.data = norm.weight.data.to(weight_dtype)
+    return norm
+
+
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 1024), (16, 1024), (64, 1024), (3, 37), (5, 8)])
+def test_add_rms_norm_equals_torch(rows: int, hidden: int, unit_offset: bool, weight_dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(rows * 100 + hidden)
+    x, residual = torch.randn(rows, hidden, generator=gen) * 3, torch.randn(rows, hidden, generator=gen)
+    norm = _norm(hidden, unit_offset, weight_dtype, rows)
+    want_sum = residual + x
+    want = norm._torch_forward(want_sum)
+    got_sum, got = torch.ops.spindle.add_rms_norm(x, residual, norm.weight, norm.eps, unit_offset)
+    assert torch.equal(got_sum, want_sum)  # the residual stream itself: one fp32 add, exact
+    # the mean of squares sums in another order than torch's reduction: last-bit differences
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(torch.ops.spindle.rms_norm(x, norm.weight, norm.eps, unit_offset),
+                               norm._torch_forward(x), rtol=2e-6, atol=1e-6)
+
+
+def test_rms_norm_module_routes_float32_only_when_fused() -> None:
+    norm = _norm(64, False, torch.float32, 0)
+    x, residual = torch.randn(3, 2, 64), torch.randn(3, 2, 64)  # 3-d inputs keep their shape
+    norm.fused = True
+    s, h = norm.add_forward(x, residual)
+    assert s.shape == h.shape == x.shape
+    torch.testing.assert_close(h, norm._torch_forward(residual + x), rtol=2e-6, atol=1e-6)
+    assert norm.add_forward(x, None)[0] is x
+    bf16 = x.bfloat16()
+    assert torch.equal(norm(bf16), norm._torch_forward(bf16))  # other dtypes: torch's ops
+
+
+@pytest.mark.parametrize(("rows", "intermediate"), [(1, 2816), (16, 2816), (64, 2816), (3, 13), (2, 8)])
+def test_act_and_mul_equals_torch(rows: int, intermediate: int) -> None:
+    gen = torch.Generator().manual_seed(rows + intermediate)
+    gate_up = torch.randn(rows, 2 * intermediate, generator=gen) * 4
+    gate, up = gate_up.split(intermediate, dim=-1)
+    # SiLU uses torch's own vector exp (SLEEF) in torch's form: equal where the CPU has AVX2,
+    # within an ulp through the scalar fallback
+    torch.testing.assert_close(torch.ops.spindle.act_and_mul(gate_up, 0), F.silu(gate) * up, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(torch.ops.spindle.act_and_mul(gate_up, 1), F.gelu(gate, approximate="tanh") * up,
+                               rtol=2e-6, atol=1e-6)
+
+
+def test_act_and_mul_keeps_leading_dims() -> None:
+    gate_up = torch.randn(2, 3, 10)
+    out = torch.ops.spindle.act_and_mul(gate_up, 0)
+    assert out.shape == (2, 3, 5)
+    torch.testing.assert_close(out, F.silu(gate_up[..., :5]) * gate_up[..., 5:], rtol=1e-6, atol=1e-7)
+
+
+def _rope(head_dim: int, rotary_dim: int, positions: int) -> RopeConfig:
+    return RopeConfig("default", 10000.0, head_dim, rotary_dim, positions)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "rotary_dim", "window"),
+                         [(16, 4, 64, 64, None), (4, 2, 32, 16, 7), (6, 1, 16, 16, None)])
+def test_rotary_in_paged_attention_equals_rope_then_attention(
+    heads: int, kv_heads: int, head_dim: int, rotary_dim: int, window: int | None, cache_dtype: torch.dtype
+) -> None:
+    cache, common, query, key, value, _, _ = _case(5, heads, kv_heads, head_dim, 16, cache_dtype)
+    query, key, value = query.float(), key.float(), value.float()
+    positions = torch.cat([torch.arange(n - q, n) for n, q in ROWS])
+    rope = RotaryEmbedding(_rope(head_dim, rotary_dim, 256))
+    backend = create(16)
+    spec = LayerAttentionSpec(heads, kv_heads, head_dim, head_dim**-0.5, window)
+    meta = backend.metadata_builder().build(common, [])
+    unfused_cache, fused_cache = cache.clone(), cache.clone()
+    q_rot, k_rot = rope(positions, query, key)
+    want = backend.forward(spec, q_rot, k_rot, value, unfused_cache, meta)
+    got = backend.forward_rotary(spec, query, key, value, fused_cache, meta, positions, rope.cos, rope.sin)
+    assert torch.equal(fused_cache, unfused_cache)
+    assert torch.equal(got, want)
+
+
+def test_rotary_rejects_positions_past_the_table() -> None:
+    cache, common, query, key, value, _, _ = _case(6, 4, 2, 32, 16, torch.float32)
+    rope = RotaryEmbedding(_rope(32, 32, 64))  # rows reach position 129
+    backend = create(16)
+    meta = backend.metadata_builder().build(common, [])
+    positions = torch.cat([torch.arange(n - q, n) for n, q in ROWS])
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        backend.forward_rotary(LayerAttentionSpec(4, 2, 32, 32**-0.5), query, key, value, cache, meta, positions,
+                               rope.cos, rope.sin)
+
+
+def _greedy(model: torch.nn.Module, backend, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens from prefill + decode steps through the paged cache, and the prefill's hidden states."""
+    config = model.config
+    block_size, blocks = 16, 8
+    caches = [torch.zeros(2, blocks, block_size, config.num_kv_heads, config.head_dim)
+              for _ in range(config.num_layers)]
+    tokens, first_hidden = list(prompt), None
+    builder = backend.metadata_builder()
+    done = 0
+    with torch.inference_mode():
+        for _ in range(steps):
+            new = tokens[done:]
+            n = len(tokens)
+            positions = torch.arange(done, n)
+            common = CommonAttentionMetadata(
+                attn_type=AttentionType.DECODER, num_reqs=1, num_tokens=len(new), max_query_len=len(new),
+                max_seq_len=n, query_start_loc=torch.tensor([0, len(new)]), seq_lens=torch.tensor([n]),
+                query_lens_host=torch.tensor([len(new)]).numpy(), seq_lens_host=torch.tensor([n]).numpy(),
+                block_tables=torch.arange(blocks)[None, :], slot_mapping=positions.clone(),
+            )
+            hidden = model(torch.tensor(new), positions, caches, builder.build(common, []))
+            first_hidden = hidden if first_hidden is None else first_hidden
+            tokens.append(int(model.compute_logits(hidden[-1:]).argmax(-1)))
+            done = n
+    return tokens[len(prompt):], first_hidden
+
+
+def test_decoder_fused_path_equals_unfused(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = create_backend("paged", 16)
+    model = load_model(llama_dir, backend, torch.float32, torch.device("cpu"))
+    assert model.layers[0].mlp.fused and model.layers[0].self_attn.fused_rotary and model.norm.fused
+    prompt = [3, 17, 42, 5, 9, 88, 21]
+    fused_tokens, fused_hidden = _greedy(model, backend, prompt, 12)
+    model.use_fused_kernels(False)
+    tokens, hidden = _greedy(model, backend, prompt, 12)
+    assert fused_tokens == tokens
+    torch.testing.assert_close(fused_hidden, hidden, rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    assert fused_kernels_error(torch.device("cpu")) == f"disabled by {DISABLE_ENV}"
+    assert not load_model(llama_dir, backend, torch.float32, torch.device("cpu")).layers[0].mlp.fused
+
+
+def test_sdpa_backend_keeps_rotary_in_torch(llama_dir: Path) -> None:
+    model = load_model(llama_dir, create_backend("sdpa", 16), torch.float32, torch.device("cpu"))
+    assert model.layers[0].mlp.fused and not model.layers[0].self_attn.fused_rotary
