@@ -96,6 +96,18 @@ class ExecuteRound:
         return not (self.new_requests or self.cached_requests.request_ids or self.pooling_requests)
 
 
+@dataclass(slots=True, frozen=True)
+class AbortRows:
+    """Requests the scheduler aborted while rounds carrying them may be in flight.
+
+    Sent on the Execute stream between rounds but applied by the worker on arrival: the
+    rows stop at the next step of the round computing and in the rounds queued behind it, so
+    a client that disconnects stops costing compute within one step, not one round.
+    """
+
+    request_ids: list[str]
+
+
 @dataclass(slots=True)
 class StepOutput:
     """What one forward pass produced, in batch order."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from shared.errors import InvalidArgumentError
 from shared.execute import (
+    AbortRows,
     CachedRequestData,
     ExecuteRound,
     MultiModalItem,
@@ -123,6 +124,17 @@ def round_to_proto(r: ExecuteRound) -> worker_pb2.ExecuteRequest:
         encoder_free_hashes=r.encoder_free_hashes,
         encoder_hashes=r.encoder_hashes,
     )
+
+
+def abort_to_proto(abort: AbortRows) -> worker_pb2.ExecuteRequest:
+    return worker_pb2.ExecuteRequest(aborted_request_ids=abort.request_ids)
+
+
+def execute_request_from_proto(msg: worker_pb2.ExecuteRequest) -> ExecuteRound | AbortRows:
+    """A round, or an abort (a message with aborted_request_ids carries no round)."""
+    if msg.aborted_request_ids:
+        return AbortRows(list(msg.aborted_request_ids))
+    return round_from_proto(msg)
 
 
 def round_from_proto(msg: worker_pb2.ExecuteRequest) -> ExecuteRound:

@@ -278,12 +278,18 @@ class EngineLoop:
             self.step()
 
     def step(self) -> None:
-        """One scheduling pass: expire deadlines, then send a round to every worker that can take one."""
+        """One scheduling pass: expire deadlines, send aborts, then a round to every worker that can take one.
+
+        Aborts go first: the worker must see an abort before the round that lists the request
+        among its finished ids (round_stops.Aborts).
+        """
         scheduler = self.scheduler
         assert scheduler is not None
         sink = UpdateSink()
         scheduler.expire_deadlines(self._clock(), sink)
         self._deliver(sink)
+        for index, request_ids in scheduler.take_aborts().items():
+            self.links[index].abort(request_ids)
         for index, rnd in scheduler.schedule().items():
             self.links[index].send(rnd)
         self._maybe_log_stats()

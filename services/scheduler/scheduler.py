@@ -146,6 +146,14 @@ class Scheduler:
 
     # ---- rounds out, outputs in ----
 
+    def take_aborts(self) -> dict[int, list[str]]:
+        """Requests aborted on each worker since the last call, to send before the next round.
+
+        Their blocks are free already, and the steps in flight still list them (placeholder
+        tokens, discarded as the request is FINISHED), so nothing here waits on the worker.
+        """
+        return {ws.index: ids for ws in self.workers if (ids := ws.take_abort_ids())}
+
     def schedule(self) -> dict[int, ExecuteRound]:
         """The next round for every worker that may take one and has work."""
         rounds: dict[int, ExecuteRound] = {}

@@ -19,8 +19,8 @@ import grpc
 
 from services.scheduler.worker_link import OnFailure, OnOutput
 from shared.errors import UnavailableError
-from shared.execute import ExecuteRound, WorkerInfo
-from shared.execute_wire import round_to_proto, step_from_proto, worker_info_from_proto
+from shared.execute import AbortRows, ExecuteRound, WorkerInfo
+from shared.execute_wire import abort_to_proto, round_to_proto, step_from_proto, worker_info_from_proto
 from shared.grpc_channel import open_channel
 from shared.pb.spindle.v1 import worker_pb2, worker_pb2_grpc
 from shared.tls import TlsFiles
@@ -28,6 +28,8 @@ from shared.tls import TlsFiles
 logger = logging.getLogger(__name__)
 
 _LOG_EVERY_S = 10.0
+
+_Outgoing = ExecuteRound | AbortRows | None  # None ends the stream
 
 
 class WorkerClient:
@@ -42,7 +44,7 @@ class WorkerClient:
         self._backoff_max_s = backoff_max_s
         self._channel = open_channel(address, tls)  # mutual TLS when `tls` is given
         self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
-        self._outbox: asyncio.Queue[ExecuteRound | None] = asyncio.Queue()
+        self._outbox: asyncio.Queue[_Outgoing] = asyncio.Queue()
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reader: asyncio.Task[None] | None = None
         self._closing = False
@@ -80,6 +82,9 @@ class WorkerClient:
     def send(self, rnd: ExecuteRound) -> None:
         self._outbox.put_nowait(rnd)
 
+    def abort(self, request_ids: list[str]) -> None:
+        self._outbox.put_nowait(AbortRows(request_ids))
+
     async def close(self) -> None:
         self._closing = True
         self._outbox.put_nowait(None)
@@ -103,9 +108,9 @@ class WorkerClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
 
-    async def _requests(self, outbox: asyncio.Queue[ExecuteRound | None]) -> AsyncIterator[worker_pb2.ExecuteRequest]:
-        while (rnd := await outbox.get()) is not None:
-            yield round_to_proto(rnd)
+    async def _requests(self, outbox: asyncio.Queue[_Outgoing]) -> AsyncIterator[worker_pb2.ExecuteRequest]:
+        while (item := await outbox.get()) is not None:
+            yield abort_to_proto(item) if isinstance(item, AbortRows) else round_to_proto(item)
 
     async def _read(self, call: grpc.aio.StreamStreamCall, on_output: OnOutput, on_failure: OnFailure) -> None:
         try:

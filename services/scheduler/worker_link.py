@@ -30,6 +30,10 @@ class WorkerLink(Protocol):
         """Queue a round; rounds reach the worker in `send` order."""
         ...
 
+    def abort(self, request_ids: list[str]) -> None:
+        """Queue an abort of requests on the worker, in order with the rounds."""
+        ...
+
     async def reset(self) -> None:
         """Forget a broken stream so the link can `wait_ready` and `open` again."""
         ...

@@ -84,6 +84,9 @@ class WorkerState:
         self.pooling_inflight: dict[str, Request] = {}
         self.inflight: deque[InflightRound] = deque()
         self.pending_finished_ids: list[str] = []
+        # Aborted while on the worker: sent at once (`AbortRows`), ahead of the round whose
+        # finished_request_ids lists them, so the round computing them drops them within a step.
+        self.pending_abort_ids: list[str] = []
         self.next_round_id = 0
         self.is_alive = True
         self.num_preemptions = 0
@@ -188,6 +191,8 @@ class WorkerState:
                 self.held.remove(request.request_id)
             self.draining.pop(request.request_id, None)
         self.release_held(request)
+        if reason is StopReason.ABORTED and request.is_on_worker and self.kv is not None:
+            self.pending_abort_ids.append(request.request_id)
         self._forget_on_worker(request)
         request.status = RequestStatus.FINISHED
         request.stop_reason = reason
@@ -213,6 +218,7 @@ class WorkerState:
         self.pooling_inflight.clear()
         self.inflight.clear()
         self.pending_finished_ids.clear()
+        self.pending_abort_ids.clear()
         self.rounds_since_admission = 0
         self.next_round_id = 0  # a new Execute stream numbers its rounds from 0
         if self.kv is not None:
@@ -229,6 +235,10 @@ class WorkerState:
             if request.num_inflight_rounds == 0 and request.request_id in self.draining:
                 del self.draining[request.request_id]
                 self.waiting.push(request)
+
+    def take_abort_ids(self) -> list[str]:
+        ids, self.pending_abort_ids = self.pending_abort_ids, []
+        return ids
 
     def take_finished_ids(self) -> list[str]:
         ids, self.pending_finished_ids = self.pending_finished_ids, []

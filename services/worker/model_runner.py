@@ -8,7 +8,8 @@ copy overlaps the next forward pass); on CPU nothing runs asynchronously, so ste
 on right after it is sampled, before step k+1 computes: otherwise every token would reach the
 client one forward pass late. With structured-output rows in the batch (CUDA), a step's
 tokens are awaited before the next step samples (the forward pass is already launched): the
-grammar matchers advance on the host. Rows that finished leave the round's later steps
+grammar matchers advance on the host. Rows that finished, or that the scheduler aborted while
+the round computed (`abort`, from the event loop), leave the round's later steps
 (round_stops.py).
 """
 
@@ -26,7 +27,7 @@ from services.worker.encoder_cache import EncoderCache
 from services.worker.grammar_state import GrammarState
 from services.worker.input_builder import ModelInput, ModelInputBuilder
 from services.worker.request_states import RequestStates
-from services.worker.round_stops import RoundRows, StopTable
+from services.worker.round_stops import Aborts, RoundRows, StopTable
 from services.worker.sampler import Sampler
 from services.worker.sampling_state import SamplingMetadata, SamplingState
 from services.worker.step_output import HostCopier, SampledStep
@@ -67,6 +68,7 @@ class ModelRunner:
         self.encoder_cache_tokens = encoder_cache_tokens
         # Structured output (grammar matchers, compiled-grammar cache) outlives Execute streams.
         self.grammar_state = GrammarState(model_dir, vocab_size, eos_token_ids, device)
+        self.aborts = Aborts()
         self.reset()
 
     def reset(self) -> None:
@@ -76,6 +78,7 @@ class ModelRunner:
         self.input_builder = ModelInputBuilder(self.states, self.backend.metadata_builder(), self.device)
         self.sampler = Sampler(self.sampling_state.penalty_tables, self.generator)
         self.stops = StopTable(self.eos_token_ids)
+        self.aborts = Aborts()
         self.grammar_state.clear()
         # Vision-language models only: image features by content hash (see encoder_cache.py).
         self.encoder_cache = (
@@ -83,12 +86,18 @@ class ModelRunner:
             if hasattr(self.model, "encode_images") else None
         )
 
+    def abort(self, request_ids: list[str]) -> None:
+        """The scheduler aborted these requests; any thread, applied at the next step boundary."""
+        self.aborts.receive(request_ids)
+
     def execute_round(self, round_: ExecuteRound, on_step: Callable[[SampledStep], None]) -> None:
         """Run `round_.num_steps` forward passes; call `on_step` once per step, in order."""
         if round_.pooling_requests:
             raise InvalidArgumentError(
                 "this worker serves a generative model; it cannot run pooling requests"
             )
+        self.aborts.apply(self.states, self.stops)  # ids that arrived before this round: not yet forgotten
+        self.aborts.forget(round_.finished_request_ids)
         released = self.states.remove(round_.finished_request_ids)
         self.sampling_state.release(released)
         self.grammar_state.release(released)
@@ -126,6 +135,7 @@ class ModelRunner:
                 if inputs is not None and len(inputs.sample_rows):
                     metadata = self.sampling_state.build(inputs.sample_rows)
             elif inputs is not None and metadata is not None and sampled is not None:
+                self.aborts.apply(self.states, self.stops)
                 keep = samplers.narrow(step)
                 if not len(samplers.live):
                     inputs = None  # every sampling row finished: the rest of the round is empty steps
@@ -164,11 +174,19 @@ class ModelRunner:
 
     def _start_round(self, rows: np.ndarray, num_scheduled: np.ndarray) -> tuple[RoundRows, np.ndarray, np.ndarray]:
         """The round's sampling rows, and its step-0 batch without the sampling rows that stopped
-        already (the scheduler sent this round before it saw their stop; it discards their tokens)."""
+        already (the scheduler sent this round before it saw their stop; it discards their tokens)
+        and without aborted prefill chunks. An aborted chunk counts as computed, so that a queued
+        round finishing the prompt still lists the request as sampling (with placeholders), as
+        the scheduler expects."""
         st = self.states
+        self.aborts.apply(st, self.stops)
         samples = st.num_computed_tokens[rows] + num_scheduled == st.num_tokens[rows]  # as build() decides
         samplers = RoundRows(self.stops, rows[samples], st.num_output(rows[samples]))
         batch = ~samples
+        dropped = batch & self.stops.aborted[rows]
+        if dropped.any():
+            st.num_computed_tokens[rows[dropped]] += num_scheduled[dropped]
+            batch &= ~dropped
         batch[np.flatnonzero(samples)[samplers.live]] = True
         return samplers, rows[batch], num_scheduled[batch]
 

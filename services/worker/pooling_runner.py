@@ -82,6 +82,9 @@ class PoolingRunner:
     def reset(self) -> None:
         """A new Execute stream: nothing to forget, pooling requests live for one round."""
 
+    def abort(self, request_ids: list[str]) -> None:
+        """Nothing to stop: a pooling request is one forward pass, done by the time an abort lands."""
+
     def execute_round(self, round_: ExecuteRound, on_step: Callable[[PooledStep], None]) -> None:
         """Pool every request of the round in step 0; later steps (if any) are empty."""
         if round_.new_requests or round_.cached_requests.request_ids:

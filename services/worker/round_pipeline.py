@@ -3,7 +3,9 @@
 Rounds go to a one-thread executor as they arrive (so the next round is queued while the
 current one computes); each step's `SampledStep` (or `PooledStep`) comes back through an
 asyncio queue fed with `loop.call_soon_threadsafe`, and is converted to a `StepOutput` here,
-on the event loop, not in the compute thread. A failed round ends the stream with its
+on the event loop, not in the compute thread. An `AbortRows` between rounds skips the queue:
+it is handed to the runner the moment it arrives (`Runner.abort` is thread-safe), because the
+round it concerns is usually the one computing. A failed round ends the stream with its
 exception; later rounds are skipped. No grpc or protobuf here.
 """
 
@@ -20,7 +22,7 @@ from typing import Protocol
 from services.worker.step_output import StepResult
 from services.worker.telemetry import WorkerTelemetry
 from shared.errors import UnavailableError
-from shared.execute import ExecuteRound, StepOutput
+from shared.execute import AbortRows, ExecuteRound, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,10 @@ class Runner(Protocol):
     def reset(self) -> None: ...
 
     def execute_round(self, round_: ExecuteRound, on_step: Callable[[StepResult], None]) -> None: ...
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Called from the event loop while a round may be computing: stop computing these."""
+        ...
 
 
 class RoundFailedError(Exception):
@@ -65,7 +71,7 @@ class RoundPipeline:
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
-    async def run(self, rounds: AsyncIterator[ExecuteRound]) -> AsyncIterator[StepOutput]:
+    async def run(self, rounds: AsyncIterator[ExecuteRound | AbortRows]) -> AsyncIterator[StepOutput]:
         """Step outputs of `rounds`, in order; raises RoundFailedError when a round fails."""
         if self._active:
             raise UnavailableError("another Execute stream is active on this worker")
@@ -115,6 +121,9 @@ class RoundPipeline:
                 async for round_ in rounds:
                     if failed.is_set():
                         break
+                    if isinstance(round_, AbortRows):
+                        self.runner.abort(round_.request_ids)
+                        continue
                     pending = [f for f in pending if not f.done()]
                     pending.append(loop.run_in_executor(self.executor, execute, round_))
                 await asyncio.gather(*pending)

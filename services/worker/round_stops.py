@@ -11,13 +11,15 @@ of the round's sampling requests (the protocol); the rows left out carry a place
 which the scheduler discards like any token past a stop. KV accounting is untouched: a row
 left out only writes fewer of the slots the scheduler already allocated for it.
 
-Not replayed, so such rows are still computed to the end of the round:
-  * max_model_len: the scheduler cuts a round to the room of the request closest to it.
-  * stop strings, deadlines and client aborts: the frontend and scheduler decide those. They
-    reach the worker only as `finished_request_ids` of a later round, a list that also holds
-    requests the scheduler preempted while the current round was in flight, whose tokens of
-    this round it still appends (worker_state.preempt). The worker cannot tell the two apart,
-    so an aborted request leaves the batch at the next round the scheduler builds, as before.
+Not replayed: max_model_len (the scheduler cuts a round to the room of the request closest
+to it), so such a row is computed to the end of its round.
+
+Aborts (client gone, stop string, deadline) are decided by the frontend and scheduler, so
+the worker cannot replay them; the scheduler sends them on the Execute stream as soon as it
+decides them (`AbortRows`), apart from `finished_request_ids`, which also lists requests it
+preempted while a round was in flight and whose tokens of that round it still appends
+(worker_state.preempt). `Aborts` marks an aborted row stopped at the next step boundary, so
+it leaves the round computing within one step and the rounds queued behind it at their step 0.
 
 On CUDA a step's tokens reach the host while the next step computes, so a stop token seen at
 step k removes the row from step k + 2; max_tokens is known in advance and needs no wait.
@@ -25,8 +27,12 @@ step k removes the row from step k + 2; max_tokens is known in advance and needs
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterable
+
 import numpy as np
 
+from services.worker.request_states import RequestStates
 from shared.sampling import SamplingOptions
 
 
@@ -39,6 +45,7 @@ class StopTable:
         self.min_tokens = np.zeros(initial_rows, np.int64)
         self.stop_ids = np.full((initial_rows, 1), -1, np.int64)  # padded with -1 (never a token)
         self.stopped = np.zeros(initial_rows, bool)
+        self.aborted = np.zeros(initial_rows, bool)  # stopped by an abort: drop prefill chunks too
 
     def add(self, row: int, sampling: SamplingOptions) -> None:
         """A (re-)added request on `row`: it has not stopped."""
@@ -49,6 +56,11 @@ class StopTable:
         self.stop_ids[row] = -1
         self.stop_ids[row, : len(ids)] = ids
         self.stopped[row] = False
+        self.aborted[row] = False
+
+    def abort(self, rows: list[int]) -> None:
+        self.stopped[rows] = True
+        self.aborted[rows] = True
 
     def observe(self, rows: np.ndarray, tokens: np.ndarray, num_output: np.ndarray) -> None:
         """`rows` sampled `tokens` and now have `num_output` output tokens: mark those that stop."""
@@ -60,7 +72,7 @@ class StopTable:
         rows = max(len(self.stopped), num_rows)
         if rows > len(self.stopped):
             rows = max(rows, 2 * len(self.stopped))
-            for name in ("max_tokens", "min_tokens", "stopped"):
+            for name in ("max_tokens", "min_tokens", "stopped", "aborted"):
                 old = getattr(self, name)
                 grown = np.zeros(rows, old.dtype)
                 grown[: len(old)] = old
@@ -97,3 +109,36 @@ class RoundRows:
     def sampled(self) -> None:
         """The `live` rows sampled one more token this round."""
         self.num_sampled[self.live] += 1
+
+
+class Aborts:
+    """Requests the scheduler aborted, on their way from the event loop to the compute thread.
+
+    `receive` may run on any thread while a round computes: ids wait in a deque (append and
+    popleft are atomic under the GIL), and only the compute thread maps them to rows (`apply`,
+    at every step boundary), since it alone adds and removes rows. An id stays until a round's
+    finished_request_ids forgets it, so a queued round that still carries the request (new or
+    cached) has it marked at its start. The scheduler sends an abort only for a request on the
+    worker, before the round whose finished_request_ids lists it, so an id never outlives the
+    incarnation it meant.
+    """
+
+    def __init__(self) -> None:
+        self._inbox: deque[str] = deque()
+        self.ids: set[str] = set()
+
+    def receive(self, request_ids: Iterable[str]) -> None:
+        self._inbox.extend(request_ids)
+
+    def apply(self, states: RequestStates, table: StopTable) -> None:
+        """Mark the rows of every aborted request the worker holds as stopped."""
+        while self._inbox:
+            self.ids.add(self._inbox.popleft())
+        if self.ids:
+            rows = [row for request_id in self.ids if (row := states.row_of.get(request_id)) is not None]
+            table.abort(rows)
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Removed from the worker: their ids may name a new incarnation from now on."""
+        if self.ids:
+            self.ids.difference_update(request_ids)

@@ -9,8 +9,8 @@ import grpc
 
 from services.worker.round_pipeline import RoundFailedError, RoundPipeline
 from shared.errors import GRPC_CODES, SpindleError, UnavailableError
-from shared.execute import ExecuteRound, WorkerInfo
-from shared.execute_wire import round_from_proto, step_to_proto, worker_info_to_proto
+from shared.execute import AbortRows, ExecuteRound, WorkerInfo
+from shared.execute_wire import execute_request_from_proto, step_to_proto, worker_info_to_proto
 from shared.pb.spindle.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             await context.abort(GRPC_CODES[exc.kind], exc.message)
 
 
-async def _rounds(request_iterator: AsyncIterator[worker_pb2.ExecuteRequest]) -> AsyncIterator[ExecuteRound]:
+async def _rounds(
+    request_iterator: AsyncIterator[worker_pb2.ExecuteRequest],
+) -> AsyncIterator[ExecuteRound | AbortRows]:
     async for msg in request_iterator:
-        yield round_from_proto(msg)
+        yield execute_request_from_proto(msg)

@@ -147,6 +147,7 @@ class FakeWorker:
         self.num_multi_step_rounds = 0
         self.num_partial_prefills = 0
         self.num_prefix_hit_tokens = 0
+        self.aborted: list[str] = []  # ids of AbortRows messages, in arrival order
 
     # ---- protocol ----
 
@@ -155,6 +156,15 @@ class FakeWorker:
         self._check(rnd.num_steps >= 1 and not rnd.is_empty, f"round {rnd.round_id} is empty")
         self.next_round_id += 1
         self.queue.append(rnd)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """An AbortRows message: only requests the worker holds or will hold (a round queued
+        carries them), each once, may be aborted; this fake computes them on regardless."""
+        rounds = [*self.queue, *([self.current.rnd] if self.current is not None else [])]
+        queued = {new.request_id for rnd in rounds for new in rnd.new_requests}
+        for request_id in request_ids:
+            self._check(request_id in self.requests or request_id in queued, f"aborted unknown {request_id}")
+        self.aborted.extend(request_ids)
 
     @property
     def has_work(self) -> bool:

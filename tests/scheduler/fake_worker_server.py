@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from shared.execute_wire import round_from_proto, step_to_proto, worker_info_to_proto
+from shared.execute import AbortRows
+from shared.execute_wire import execute_request_from_proto, step_to_proto, worker_info_to_proto
 from shared.grpc_server import GRPC_OPTIONS
 from shared.pb.spindle.v1 import worker_pb2, worker_pb2_grpc
 from tests.scheduler.fake_worker import FakeWorker
@@ -41,7 +42,11 @@ class FakeWorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         reader = asyncio.create_task(read())
         try:
             while (msg := await rounds.get()) is not None:
-                self.worker.submit(round_from_proto(msg))
+                item = execute_request_from_proto(msg)
+                if isinstance(item, AbortRows):
+                    self.worker.abort(item.request_ids)
+                    continue
+                self.worker.submit(item)
                 while self.worker.has_work:
                     yield step_to_proto(self.worker.step())
                     await asyncio.sleep(self.step_delay_s)

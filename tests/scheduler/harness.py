@@ -169,6 +169,8 @@ class Harness:
             sched.expire_deadlines(float(self.tick), sink)
             self._deliver(sink)
             self.check()
+            for index, request_ids in sched.take_aborts().items():
+                self.workers[index].abort(request_ids)
             for index, rnd in sched.schedule().items():
                 self._check_round(rnd)
                 self.num_pipelined_rounds += self.workers[index].has_work

@@ -14,14 +14,16 @@ import random
 from collections import deque
 from pathlib import Path
 
-from worker_harness import make_runner, run_round
+import numpy as np
+from worker_harness import make_runner
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.updates import UpdateSink
 from services.worker.model_runner import ModelRunner
-from shared.execute import StepOutput, WorkerInfo
+from services.worker.step_output import SampledStep
+from shared.execute import ExecuteRound, WorkerInfo
 from shared.sampling import SamplingOptions
 from shared.types import RequestKind
 
@@ -43,36 +45,93 @@ def _info(runner: ModelRunner) -> WorkerInfo:
     )
 
 
+class _Served:
+    """What a run streamed, and how much the worker computed for each request."""
+
+    def __init__(self, requests: list[Request]) -> None:
+        self.tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        self.row_steps: dict[str, int] = dict.fromkeys(self.tokens, 0)  # forward passes that included it
+        self.after_abort: dict[str, int] = {}  # of those, the ones after its abort reached the scheduler
+
+
+def _count_row_steps(runner: ModelRunner, served: _Served) -> None:
+    """Count, per request, the forward passes (step 0 chunks and decode steps) that compute it."""
+    builder, states = runner.input_builder, runner.states
+    build, advance = builder.build, builder.advance
+
+    def count(rows: np.ndarray) -> None:
+        for row in rows.tolist():
+            request_id = states.request_ids[row] or ""
+            served.row_steps[request_id] += 1
+            if request_id in served.after_abort:
+                served.after_abort[request_id] += 1
+
+    def counting_build(rows, num_scheduled):  # type: ignore[no-untyped-def]
+        count(rows)
+        return build(rows, num_scheduled)
+
+    def counting_advance(prev, sampled, keep=None):  # type: ignore[no-untyped-def]
+        inputs = advance(prev, sampled, keep)
+        count(inputs.sample_rows)
+        return inputs
+
+    builder.build = counting_build  # type: ignore[method-assign]
+    builder.advance = counting_advance  # type: ignore[method-assign]
+
+
 def _serve(
-    runner: ModelRunner, requests: list[Request], num_steps: int, aborts: dict[str, int] | None = None
-) -> dict[str, list[int]]:
-    """Tokens streamed per request; `aborts`: request id -> the number of rounds sent before its abort."""
-    config = SchedulerConfig(num_scheduler_steps=num_steps, max_inflight_rounds=2, pipeline_quiet_rounds=0)
+    runner: ModelRunner,
+    requests: list[Request],
+    num_steps: int,
+    aborts: dict[str, tuple[int, int]] | None = None,
+    tell_worker: bool = True,
+    max_num_batched_tokens: int = 2048,
+) -> _Served:
+    """Serve `requests` through the real scheduler and `runner`, as over the Execute stream.
+
+    Rounds go out as the scheduler builds them (up to two in flight) and the worker runs them in
+    order, so while one runs, the next is already queued. `aborts`: request id -> (round id,
+    step index) right after which its abort reaches the scheduler, in the middle of that round;
+    the scheduler's `AbortRows` reach the runner at once unless `tell_worker` is False (as
+    before aborts were sent: the worker learns it from a later round's finished ids).
+    """
+    config = SchedulerConfig(num_scheduler_steps=num_steps, max_inflight_rounds=2, pipeline_quiet_rounds=0,
+                             max_num_batched_tokens=max_num_batched_tokens)
     scheduler = Scheduler(config, [_info(runner)])
-    streamed: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    served = _Served(requests)
+    _count_row_steps(runner, served)
     sink = UpdateSink()
     for request in requests:
         scheduler.add_request(request, sink)
-    inflight: deque[list[StepOutput]] = deque()
-    num_rounds = 0
-    while scheduler.requests or inflight:
+    queued: deque[ExecuteRound] = deque()
+    due = {when: request_id for request_id, when in (aborts or {}).items()}
+
+    def on_step(step: SampledStep) -> None:
+        steps.append(step)
+        request_id = due.pop((step.round_id, step.step_index), None)
+        if request_id is not None and scheduler.abort_request(request_id, sink):
+            served.after_abort[request_id] = 0
+            for ids in scheduler.take_aborts().values():
+                if tell_worker:
+                    runner.abort(ids)
+
+    while scheduler.requests or queued:
         while rounds := scheduler.schedule():
-            inflight.extend(run_round(runner, rnd) for rnd in rounds.values())
-            num_rounds += 1
-            for request_id, when in (aborts or {}).items():
-                if when == num_rounds:
-                    scheduler.abort_request(request_id, sink)
-        for output in inflight.popleft():
-            scheduler.update_from_output(0, output, sink)
+            queued.extend(rounds.values())
+        steps: list[SampledStep] = []
+        runner.execute_round(queued.popleft(), on_step)
+        for step in steps:
+            scheduler.update_from_output(0, step.to_step_output(), sink)
         for updates in sink.by_connection.values():
             for update in updates:
-                streamed[update.request_id].extend(update.token_ids)
+                served.tokens[update.request_id].extend(update.token_ids)
         sink = UpdateSink()
+    assert not due, f"aborts never reached: {due}"
     kv = scheduler.workers[0].kv
     assert kv is not None
     kv.check_invariants()
     assert kv.num_free_blocks == NUM_BLOCKS
-    return streamed
+    return served
 
 
 def _requests(seed: int, base: dict[str, list[int]], prompts: dict[str, list[int]]) -> list[Request]:
@@ -101,9 +160,9 @@ def test_rows_leaving_rounds_keep_the_scheduler_consistent(llama_dir: Path) -> N
         [Request(i, list(p), SamplingOptions(temperature=0.0, max_tokens=20, ignore_eos=True))
          for i, p in prompts.items()],
         num_steps=1,
-    )
+    ).tokens
     alone = {
-        r.request_id: _serve(make_runner(llama_dir), [r], num_steps=1)[r.request_id]
+        r.request_id: _serve(make_runner(llama_dir), [r], num_steps=1).tokens[r.request_id]
         for r in _requests(0, base, prompts)
     }
     runner = make_runner(llama_dir)
@@ -115,11 +174,44 @@ def test_rows_leaving_rounds_keep_the_scheduler_consistent(llama_dir: Path) -> N
         return advance(prev, sampled, keep)
 
     runner.input_builder.advance = counting_advance  # type: ignore[method-assign]
-    aborts = {"r2": 2, "r5": 3, "r9": 5}
-    together = _serve(runner, _requests(0, base, prompts), num_steps=8, aborts=aborts)
+    aborts = {"r2": (0, 7), "r5": (1, 3), "r9": (2, 0)}
+    together = _serve(runner, _requests(0, base, prompts), num_steps=8, aborts=aborts).tokens
     assert sum(narrowed) >= 3, "rows were meant to finish mid-round"
     for request_id, tokens in together.items():
         if request_id in aborts:
             assert tokens == alone[request_id][: len(tokens)]
         else:
             assert tokens == alone[request_id], request_id
+
+
+def test_an_abort_mid_round_stops_computing_the_row(llama_dir: Path) -> None:
+    """Aborts reach the worker while the round computes: the row leaves its later steps and the
+    round queued behind it; a prompt aborted between chunks is not computed further either."""
+    rng = random.Random(5)
+    sampling = SamplingOptions(temperature=0.0, max_tokens=30, ignore_eos=True)
+    prompts = {f"r{i}": [rng.randrange(4, 512) for _ in range(rng.randint(5, 20))] for i in range(6)}
+    prompts["long"] = [rng.randrange(4, 512) for _ in range(150)]  # chunked over rounds 1-3 (1-step rounds)
+
+    def requests() -> list[Request]:
+        return [Request(i, list(p), sampling) for i, p in prompts.items()]
+
+    # r1 mid-round (round 4 step 2: round 5 is queued), r3 at a round's last step (round 4 is
+    # queued), `long` after its first chunk (its next chunk is queued). Same requests, same abort
+    # points, the worker told or not: the scheduler builds the same rounds either way.
+    aborts = {"r1": (4, 2), "r3": (3, 7), "long": (1, 0)}
+    told = _serve(make_runner(llama_dir), requests(), 8, aborts, max_num_batched_tokens=64)
+    untold = _serve(make_runner(llama_dir), requests(), 8, aborts, tell_worker=False, max_num_batched_tokens=64)
+    plain = _serve(make_runner(llama_dir), requests(), 8, max_num_batched_tokens=64)
+
+    assert told.after_abort == dict.fromkeys(aborts, 0), told.after_abort
+    assert all(untold.after_abort[r] > 0 for r in aborts), untold.after_abort
+    assert untold.after_abort["r1"] >= 5 + 1  # the rest of its round, and the queued one
+    assert sum(told.row_steps.values()) < sum(untold.row_steps.values())
+    assert told.tokens == untold.tokens  # the scheduler streams the same either way
+    for request_id, tokens in told.tokens.items():
+        if request_id in aborts:
+            assert tokens == plain.tokens[request_id][: len(tokens)]
+            assert len(tokens) < len(plain.tokens[request_id])
+        else:
+            assert tokens == plain.tokens[request_id], request_id
+            assert told.row_steps[request_id] == plain.row_steps[request_id]
