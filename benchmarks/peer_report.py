@@ -285,28 +285,37 @@ def _pyplot():  # type: ignore[no-untyped-def]
 
 
 def plot_peer_table(rows: Sequence[PeerRow], path: Path) -> Path | None:
-    """Grouped bars: output tok/s per server at each (model, streams), one panel per dtype, log scale."""
+    """One panel per table cell (rows: dtype; columns: model and streams), a linear bar per server.
+
+    Separate panels because the cells differ by 100x in tok/s: on one shared axis the small
+    differences that decide the goal would not show. Each bar is labelled with its tok/s.
+    """
     table = [r for r in rows if r.part == TABLE]
     if not table:
         return None
     plt = _pyplot()
     dtypes = list(dict.fromkeys(r.dtype for r in table))
+    columns = list(dict.fromkeys((r.model, r.concurrency) for r in table))
     servers = _servers(table)
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(6.5 * len(dtypes), 4.5), squeeze=False)
-    for ax, dtype in zip(axes[0], dtypes, strict=True):
-        groups = [k for k in _points(table, TABLE) if k[0] == dtype]
-        width = 0.8 / max(len(servers), 1)
-        for i, server in enumerate(servers):
-            ys = [(_find(table, TABLE, server, k) or None) for k in groups]
-            values = [r.throughput if r is not None and r.throughput is not None else 0.0 for r in ys]
-            ax.bar([g + i * width for g in range(len(groups))], values, width, label=server)
-        ax.set_xticks([g + width * (len(servers) - 1) / 2 for g in range(len(groups))],
-                      [f"{m}\n{c} stream{'s' if c > 1 else ''}" for _, m, c, _ in groups])
-        ax.set_yscale("log")
-        ax.set_ylabel("output tokens/s")
-        ax.set_title(f"{dtype} weights (missing bars: not run or failed)")
-        ax.grid(True, axis="y", alpha=0.3)
-        ax.legend()
+    colors = {s: f"C{i}" for i, s in enumerate(servers)}
+    fig, axes = plt.subplots(len(dtypes), len(columns), figsize=(max(3.2 * len(columns), 7.0), 3.0 * len(dtypes)),
+                             squeeze=False)
+    for i, dtype in enumerate(dtypes):
+        for j, (model, concurrency) in enumerate(columns):
+            ax = axes[i][j]
+            key = (dtype, model, concurrency, next(r.prompt_len for r in table if (r.model, r.concurrency) ==
+                                                   (model, concurrency)))
+            found = [_find(table, TABLE, s, key) for s in servers]
+            values = [r.throughput if r is not None and r.throughput is not None else 0.0 for r in found]
+            bars = ax.bar(range(len(servers)), values, color=[colors[s] for s in servers])
+            labels = [f"{v:,.0f}" if v else "n/a" for v in values]
+            ax.bar_label(bars, labels, fontsize=8)
+            ax.set_xticks(range(len(servers)), servers, fontsize=8)
+            ax.set_title(f"{model}, {concurrency} stream{'s' if concurrency > 1 else ''}, {dtype}", fontsize=9)
+            ax.margins(y=0.15)
+            if j == 0:
+                ax.set_ylabel("output tokens/s")
+    fig.suptitle("output tok/s, a fresh server per bar (n/a: missing or failed)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
