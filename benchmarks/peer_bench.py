@@ -163,8 +163,12 @@ def spindle_takes(flag: str) -> bool:
 
 
 def serve_shape(job: PeerJob, threads: int) -> ServeShape:
-    """A peer sized for `job`: one slot per stream, each as long as a request, rounded up to 256 tokens."""
-    longest = job.prompt_len + job.output_len
+    """A peer sized for `job`: one slot per stream, each longer than a request, rounded up to 256 tokens.
+
+    Longer, not as long: llama.cpp stops a slot at its context size minus one ("truncated"), so
+    128 + 128 tokens in a 256-token slot end one token short.
+    """
+    longest = job.prompt_len + job.output_len + 1
     return ServeShape(slots=job.concurrency, max_model_len=256 * math.ceil(longest / 256), threads=threads)
 
 

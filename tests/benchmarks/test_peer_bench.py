@@ -94,7 +94,7 @@ def test_peer_commands(tmp_path: Path) -> None:
 
 def test_serve_shape_rounds_the_context_up() -> None:
     job = next(j for j in plan(PeerBenchSettings(models=("small",))) if j.server == LLAMA and j.concurrency == 64)
-    assert serve_shape(job, 2) == ServeShape(slots=64, max_model_len=256, threads=2)
+    assert serve_shape(job, 2) == ServeShape(slots=64, max_model_len=512, threads=2)  # 128 + 128 + 1
 
 
 def test_steady_state_is_after_the_last_first_token_and_before_the_first_end() -> None:
