@@ -72,6 +72,7 @@ class PeerBenchSettings:
     contexts: tuple[int, ...] = (128, 512, 1024, 2048, 4096)
     sweep_output_len: int = 64
     sweep_peers: tuple[str, ...] = (VLLM,)
+    include_spindle: bool = True  # False: rerun only peers' cells (peer_report merges the runs)
     spindle_args: tuple[str, ...] = ()
     num_threads: int = 1
     seed: int = 0
@@ -126,17 +127,21 @@ class PeerJob:
     num_requests: int
 
 
+def _servers(settings: PeerBenchSettings, peers: Sequence[str]) -> tuple[str, ...]:
+    return (*((SPINDLE,) if settings.include_spindle else ()), *peers)
+
+
 def plan(settings: PeerBenchSettings) -> list[PeerJob]:
     """The table's jobs (per dtype, model, server, concurrency), then the sweep's (per server, context)."""
     jobs: list[PeerJob] = []
     if TABLE in settings.parts:
         for dtype in settings.dtypes:
             for model in settings.models:
-                for server in (SPINDLE, *settings.peers):
+                for server in _servers(settings, settings.peers):
                     jobs += [PeerJob(TABLE, server, model, dtype, c, settings.input_len, settings.output_len,
                                      settings.requests_for(c)) for c in settings.concurrencies]
     if SWEEP in settings.parts:
-        for server in (SPINDLE, *(p for p in settings.sweep_peers if p in settings.peers)):
+        for server in _servers(settings, [p for p in settings.sweep_peers if p in settings.peers]):
             for context in settings.contexts:
                 jobs.append(PeerJob(SWEEP, server, settings.sweep_model_name, settings.sweep_dtype,
                                     settings.sweep_streams, context, settings.sweep_output_len,
@@ -181,8 +186,9 @@ def _drive(job: PeerJob, settings: PeerBenchSettings, base_url: str, model_name:
         warmup = [BenchRequest(r.prompt_token_ids, 1) for r in requests]
     else:  # other prompts: nothing of the timed run is cached
         warmup = build_workload(warmup_spec(spec, min(job.concurrency, 8)))
+    # A new connection per request for every server alike (load_client.LoadConfig.fresh_connections).
     config = LoadConfig(base_url=base_url, model=model_name, concurrency=job.concurrency, seed=settings.seed,
-                        timeout_s=settings.job_budget_s)
+                        timeout_s=settings.job_budget_s, fresh_connections=True)
     return asyncio.run(asyncio.wait_for(run_with_warmup(config, requests, warmup), settings.job_budget_s))
 
 
@@ -268,6 +274,7 @@ def parse_settings(argv: Sequence[str] | None) -> PeerBenchSettings:
     p.add_argument("--sweep-output-len", type=int, default=d.sweep_output_len)
     p.add_argument("--sweep-peers", type=_csv(), default=d.sweep_peers)
     p.add_argument("--spindle-arg", action="append", default=[], help="extra flag for spindle serve (repeatable)")
+    p.add_argument("--no-spindle", action="store_true", help="peers only (to rerun their cells)")
     p.add_argument("--threads", type=int, default=machine_cores(), help="threads per server (default: every core)")
     p.add_argument("--job-budget-s", type=float, default=d.job_budget_s, help="cut a timed run after this long")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -277,7 +284,8 @@ def parse_settings(argv: Sequence[str] | None) -> PeerBenchSettings:
         input_len=a.input_len, output_len=a.output_len, sweep_model=a.sweep_model, sweep_dtype=a.sweep_dtype,
         sweep_streams=a.sweep_streams, contexts=a.contexts, sweep_output_len=a.sweep_output_len,
         sweep_peers=a.sweep_peers,
-        spindle_args=tuple(a.spindle_arg), num_threads=a.threads, job_budget_s=a.job_budget_s, seed=a.seed)
+        spindle_args=tuple(a.spindle_arg), include_spindle=not a.no_spindle, num_threads=a.threads,
+        job_budget_s=a.job_budget_s, seed=a.seed)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

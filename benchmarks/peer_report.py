@@ -269,10 +269,17 @@ def write_json(path: Path, meta: dict[str, object], rows: Sequence[PeerRow]) -> 
 
 
 def read_rows(paths: Sequence[Path]) -> list[PeerRow]:
-    rows: list[PeerRow] = []
+    """Every run's rows in file order; a point measured again in a later file replaces the earlier row.
+
+    So a rerun of some cells (after a fix, or a failure on a busy machine) is merged by naming its
+    file last, without editing the first run's results.
+    """
+    rows: dict[tuple[str, str, tuple[str, str, int, int]], PeerRow] = {}
     for path in paths:
-        rows += [row_from_dict(r) for r in json.loads(path.read_text())["rows"]]
-    return rows
+        for data in json.loads(path.read_text())["rows"]:
+            row = row_from_dict(data)
+            rows[(row.part, row.server, _cell_key(row))] = row
+    return list(rows.values())
 
 
 def _pyplot():  # type: ignore[no-untyped-def]

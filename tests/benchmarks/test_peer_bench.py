@@ -45,6 +45,12 @@ def test_plan_covers_table_then_sweep() -> None:
     assert all(j.num_requests == j.concurrency == 64 for j in sweep)
 
 
+def test_plan_without_spindle() -> None:
+    jobs = plan(PeerBenchSettings(peers=(LLAMA,), include_spindle=False, contexts=(128,)))
+    assert {j.server for j in jobs} == {LLAMA} and {j.part for j in jobs} == {TABLE}  # llama.cpp has no sweep
+    assert parse_settings(["--peers", "llama-cpp", "--no-spindle"]).include_spindle is False
+
+
 def test_settings_reject_unknown_names_and_contexts_past_the_positions() -> None:
     with pytest.raises(ValueError, match="tgi"):
         PeerBenchSettings(peers=("tgi",))

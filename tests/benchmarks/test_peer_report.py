@@ -106,6 +106,10 @@ def test_json_round_trip_merges_runs(tmp_path: Path) -> None:
     assert rows == [*first, *second]
     report = format_report(rows)
     assert "| float32 | medium | 1 | 30.0 |" in report and "| 512 | 5.0 ms |" in report
+    rerun = [_row("vllm-cpu", 90.0)]
+    write_json(tmp_path / "c.json", {"timestamp": "c"}, rerun)
+    merged = read_rows([tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"])
+    assert merged == [first[0], rerun[0], *second]  # the later file's row replaces the failed one in place
 
 
 def test_plots_are_written(tmp_path: Path) -> None:
