@@ -25,7 +25,7 @@ from services.worker.attention import AttentionBackend, LayerAttentionSpec
 from services.worker.models.base import SpindleModel, WeightTarget
 from services.worker.models.config import DecoderConfig
 from services.worker.models.fast_linear import FastLinear
-from services.worker.models.fused import ACTIVATION_CODES, fused_kernels_error
+from services.worker.models.fused import ACTIVATION_CODES, fused_kernels_enabled
 from services.worker.models.rope import RotaryEmbedding
 from shared.types import RequestKind
 
@@ -208,7 +208,7 @@ class DecoderForCausalLM(SpindleModel):
         if self.config.embed_scale is not None:
             # Gemma: a float32 scalar cast to the weights' dtype, then multiplied (as HF rounds it).
             self.embed_scale = torch.tensor(self.config.embed_scale, device=weight.device).to(weight.dtype)
-        self.use_fused_kernels(fused_kernels_error(weight.device) is None)
+        self.use_fused_kernels(fused_kernels_enabled(weight.device))
 
     def use_fused_kernels(self, enabled: bool) -> None:
         """Route float32 norms, activations and (with a backend that can) rotary through the fused kernels."""
