@@ -37,7 +37,12 @@ def rope_tables(rope: RopeConfig, num_positions: int, device: torch.device | Non
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every served position, looked up by position."""
+    """cos/sin tables for every served position, looked up by position.
+
+    The paged attention kernel reads these tables itself when the decoder fuses the rotation
+    into its KV write (models/fused.py), so they stay contiguous float32 [positions, rotary_dim]
+    and the kernel rounds exactly as `forward` does.
+    """
 
     def __init__(self, rope: RopeConfig) -> None:
         super().__init__()
