@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import uvloop
 
+from services.cpu_affinity import POLICIES, format_cores, pin_process
 from services.serve_flags import FRONTEND, SCHEDULER, WORKER, add_serve_flags, service_args, shutdown_grace_s
 from shared.logs import LOG_FORMATS, setup_logging
 from shared.service_flags import add_api_key_arguments, add_public_tls_arguments, public_tls_from_args
@@ -37,6 +38,9 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="model id clients use (default: dir name)")
     parser.add_argument("--host-services-nice", type=int, default=10,
                         help="niceness of frontend and scheduler, so the worker keeps its cores (0: off)")
+    parser.add_argument("--cpu-affinity", default=os.environ.get("SPINDLE_CPU_AFFINITY", "auto"),
+                        help=f"core placement of workers and host services: {' | '.join(POLICIES)} | a map such "
+                             "as workers=0-5;host=6-7 (services/cpu_affinity.py) [SPINDLE_CPU_AFFINITY]")
     parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("SPINDLE_METRICS_PORT", "9400")),
                         help="Prometheus /metrics: frontend on this port, scheduler +1, worker i +2+i; 0: off")
     parser.add_argument("--log-format", choices=LOG_FORMATS, default=os.environ.get("SPINDLE_LOG_FORMAT", "text"),
@@ -55,7 +59,8 @@ def _serve(args: argparse.Namespace) -> int:
         config = ServeConfig(
             model=args.model, host=args.host, port=args.port, grpc_port=args.grpc_port,
             num_workers=args.workers, served_model_name=args.served_model_name,
-            host_services_nice=args.host_services_nice, metrics_port=args.metrics_port,
+            host_services_nice=args.host_services_nice, cpu_affinity=args.cpu_affinity,
+            metrics_port=args.metrics_port,
             log_format=args.log_format,
             frontend_args=(*service_args(args, FRONTEND), *(("--log-requests",) if args.log_requests else ())),
             worker_args=service_args(args, WORKER), scheduler_args=service_args(args, SCHEDULER),
@@ -83,6 +88,9 @@ def run_service(name: str, module: ServiceModule, argv: Sequence[str] | None = N
         module.add_arguments(parser)
     args = parser.parse_args(argv)
     setup_logging(name, fmt=args.log_format)
+    if getattr(args, "cpu_cores", ()):
+        pin_process(args.cpu_cores)
+        logger.info("pinned to cores %s", format_cores(args.cpu_cores))
     try:
         config = module.config_from_args(args)
     except ValueError as exc:

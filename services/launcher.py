@@ -24,6 +24,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+from services.cpu_affinity import CorePlan, format_cores, plan_cores, worker_env
 from shared.api_keys import ApiKeys
 from shared.tls import TlsFiles
 
@@ -52,6 +53,8 @@ class ServeConfig:
     # Lower priority lets the worker keep its cores; they run in its gaps (+12-15 % decode
     # throughput measured on 2 cores, see README). 0 turns it off.
     host_services_nice: int = 10
+    # Core placement of workers and host services (services/cpu_affinity.py): a policy or a map.
+    cpu_affinity: str = "auto"
     # Prometheus ports: frontend here, scheduler +1, worker i +2+i (0: no metrics).
     metrics_port: int = 0
     log_format: str = "text"
@@ -72,6 +75,10 @@ class ServeConfig:
             raise ValueError(f"model={self.model!r} is not a directory")
         if self.api_key_file:
             ApiKeys.load(self.api_key_file)  # a missing or empty key file stops `serve` before any child starts
+        self.core_plan()  # a bad --cpu-affinity stops `serve` before any child starts
+
+    def core_plan(self) -> CorePlan:
+        return plan_cores(self.cpu_affinity, self.num_workers, sorted(os.sched_getaffinity(0)))
 
 
 @dataclass(slots=True)
@@ -117,21 +124,25 @@ class Launcher:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
         self.children: dict[str, subprocess.Popen[bytes]] = {}
-        self._commands: dict[str, tuple[list[str], int]] = {}  # name -> (command, nice)
+        self._commands: dict[str, tuple[list[str], int, dict[str, str]]] = {}  # name -> (command, nice, env)
         self._restarts: dict[str, _Restart] = {}
         self._stopping = False
 
-    def _spawn(self, name: str, module: str, args: list[str], nice: int = 0, metrics_offset: int = 0) -> None:
+    def _spawn(self, name: str, module: str, args: list[str], nice: int = 0, metrics_offset: int = 0,
+               cores: tuple[int, ...] = (), env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, "-m", module, *args, "--log-format", self.config.log_format]
         if self.config.metrics_port:
             cmd += ["--metrics-port", str(self.config.metrics_port + metrics_offset)]
-        self._commands[name] = (cmd, nice)
+        if cores:
+            cmd += ["--cpu-cores", format_cores(cores)]
+        self._commands[name] = (cmd, nice, env or {})
         self._popen(name)
 
     def _popen(self, name: str) -> None:
-        cmd, nice = self._commands[name]
+        cmd, nice, env = self._commands[name]
         logger.info("starting %s%s: %s", name, f" (nice {nice})" if nice else "", " ".join(cmd))
-        self.children[name] = subprocess.Popen(cmd, preexec_fn=(lambda: os.nice(nice)) if nice else None)
+        self.children[name] = subprocess.Popen(cmd, preexec_fn=(lambda: os.nice(nice)) if nice else None,
+                                               env={**os.environ, **env} if env else None)
 
     def _restart_dead(self) -> None:
         """Restart children that exited, each after its backoff (called every 0.2 s while serving)."""
@@ -153,12 +164,17 @@ class Launcher:
         cfg = self.config
         worker_addrs = [f"127.0.0.1:{free_port()}" for _ in range(cfg.num_workers)]
         scheduler_addr = f"127.0.0.1:{free_port()}"
+        plan = cfg.core_plan()
+        if plan.is_pinned:
+            logger.info("cpu affinity %s: workers on %s, frontend and scheduler on %s", cfg.cpu_affinity,
+                        " | ".join(format_cores(c) or "any" for c in plan.workers), format_cores(plan.host) or "any")
         for i, addr in enumerate(worker_addrs):
             self._spawn(f"worker-{i}", "services.worker",
-                        ["--model", cfg.model, "--listen", addr, *cfg.worker_args], metrics_offset=2 + i)
+                        ["--model", cfg.model, "--listen", addr, *cfg.worker_args], metrics_offset=2 + i,
+                        cores=plan.workers[i], env=worker_env(plan.workers[i]))
         self._spawn("scheduler", "services.scheduler",
                     ["--listen", scheduler_addr, "--workers-addr", ",".join(worker_addrs),
-                     *cfg.scheduler_args], nice=cfg.host_services_nice, metrics_offset=1)
+                     *cfg.scheduler_args], nice=cfg.host_services_nice, metrics_offset=1, cores=plan.host)
         frontend = ["--model", cfg.model, "--scheduler-addr", scheduler_addr, "--host", cfg.host,
                     "--port", str(cfg.port), "--grpc-port", str(cfg.grpc_port)]
         if cfg.served_model_name:
@@ -167,7 +183,8 @@ class Launcher:
             frontend += ["--tls-cert-file", cfg.tls.cert_file, "--tls-key-file", cfg.tls.key_file]
         if cfg.api_key_file:
             frontend += ["--api-key-file", cfg.api_key_file]
-        self._spawn("frontend", "services.frontend", [*frontend, *cfg.frontend_args], nice=cfg.host_services_nice)
+        self._spawn("frontend", "services.frontend", [*frontend, *cfg.frontend_args], nice=cfg.host_services_nice,
+                    cores=plan.host)
 
     def health_url(self) -> str:
         host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::", "") else self.config.host

@@ -10,6 +10,7 @@ import os
 import sys
 from dataclasses import fields
 
+from services.cpu_affinity import add_cpu_cores_argument
 from services.frontend.config import FrontendConfig
 from services.frontend.limits import RequestLimits
 from services.frontend.server import Frontend
@@ -62,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where rate-limit counters live: memory, or redis://host:port/db to share them "
                              "between replicas [SPINDLE_STATE_STORE]")
     add_observability_arguments(parser)
+    add_cpu_cores_argument(parser)
     add_api_key_arguments(parser)
     add_public_tls_arguments(parser)
     add_internal_tls_arguments(parser)

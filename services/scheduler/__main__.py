@@ -14,6 +14,7 @@ import sys
 
 from grpc_health.v1 import health_pb2
 
+from services.cpu_affinity import add_cpu_cores_argument
 from services.scheduler.config import DEFAULT_LISTEN, DEFAULT_WORKER_ADDRS, SchedulerConfig
 from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.metrics import SchedulerMetrics
@@ -98,6 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM, running requests get this long to finish (the rest stay journaled) "
                              "[SPINDLE_SHUTDOWN_GRACE_S]")
     add_observability_arguments(parser)
+    add_cpu_cores_argument(parser)
     add_internal_tls_arguments(parser)
 
 

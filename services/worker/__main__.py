@@ -14,6 +14,7 @@ import sys
 
 import grpc
 
+from services.cpu_affinity import add_cpu_cores_argument
 from services.worker.config import DEFAULT_LISTEN, WEIGHT_DTYPES, WorkerConfig
 from services.worker.round_pipeline import RoundPipeline
 from services.worker.servicer import WorkerServicer
@@ -126,6 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fault injection for tests: the n-th round this process runs raises; 0: never "
                              "[SPINDLE_FAULT_FAIL_ROUND]")
     add_observability_arguments(parser)
+    add_cpu_cores_argument(parser)
     add_internal_tls_arguments(parser)
 
 
@@ -144,7 +146,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
-        num_threads=args.num_threads,
+        # Pinned: one torch thread per core it may use, unless told otherwise.
+        num_threads=args.num_threads or (len(args.cpu_cores) or None),
         metrics_port=metrics_port_from_args(args),
         fault_fail_round=args.fault_fail_round,
         internal_tls=internal_tls_from_args(args),
