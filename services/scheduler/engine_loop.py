@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -30,6 +31,10 @@ from shared.logs import request_extra
 from shared.state_store import InMemoryStateStore, StateStore
 
 logger = logging.getLogger(__name__)
+
+# 1: aborts reach a worker only through a later round's finished ids, as before AbortRows
+# existed (for side-by-side benchmarks of what early aborts save).
+DISABLE_EARLY_ABORTS_ENV = "SPINDLE_DISABLE_EARLY_ABORTS"
 
 
 class FrontendConnection:
@@ -66,6 +71,7 @@ class EngineLoop:
         self._stopping = False
         self._last_stats_log = time.monotonic()
         self._last_stats_steps = 0
+        self._send_aborts = os.environ.get(DISABLE_EARLY_ABORTS_ENV) != "1"
 
     # ---- lifecycle ----
 
@@ -289,7 +295,8 @@ class EngineLoop:
         scheduler.expire_deadlines(self._clock(), sink)
         self._deliver(sink)
         for index, request_ids in scheduler.take_aborts().items():
-            self.links[index].abort(request_ids)
+            if self._send_aborts:
+                self.links[index].abort(request_ids)
         for index, rnd in scheduler.schedule().items():
             self.links[index].send(rnd)
         self._maybe_log_stats()

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 from services.worker.__main__ import add_arguments, config_from_args
 from services.worker.config import WorkerConfig
 from services.worker.worker import Worker
-from shared.execute import CachedRequestData, ExecuteRound, NewRequestData, PoolingRequestData
-from shared.execute_wire import round_to_proto, step_from_proto, worker_info_from_proto
+from shared.execute import AbortRows, CachedRequestData, ExecuteRound, NewRequestData, PoolingRequestData
+from shared.execute_wire import abort_to_proto, round_to_proto, step_from_proto, worker_info_from_proto
 from shared.pb.spindle.v1 import worker_pb2, worker_pb2_grpc
 from shared.sampling import SamplingOptions
 from shared.types import RequestKind
@@ -71,6 +71,32 @@ async def test_execute_stream_runs_rounds_in_order(
         torch.tensor([PROMPT]), max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=3
     )[0, len(PROMPT) :].tolist()
     assert [t for s in steps for t in s.token_ids] == expected
+
+
+async def test_an_abort_between_rounds_stops_the_row_before_the_next_round(
+    stub: worker_pb2_grpc.WorkerServiceStub,
+) -> None:
+    """AbortRows goes around the round queue: sent behind round 0, it lands while round 0 runs (or
+    before), so round 1, queued behind it, computes nothing for the aborted request: every entry
+    of "b" there is a placeholder (logprob exactly 0), while "a" keeps sampling real tokens."""
+    sampling = SamplingOptions(temperature=0.0, ignore_eos=True, logprobs=1)
+
+    async def requests() -> AsyncIterator[worker_pb2.ExecuteRequest]:
+        yield round_to_proto(ExecuteRound(
+            round_id=0, num_steps=8, num_scheduled_tokens=[len(PROMPT)] * 2,
+            new_requests=[NewRequestData(r, PROMPT, len(PROMPT), 0, blocks, sampling)
+                          for r, blocks in (("a", [4, 9]), ("b", [5, 10]))]))
+        yield abort_to_proto(AbortRows(["b"]))
+        yield round_to_proto(ExecuteRound(
+            round_id=1, num_steps=8, cached_requests=CachedRequestData(["a", "b"], [[], []]),
+            num_scheduled_tokens=[1, 1]))
+
+    steps = [step_from_proto(m) async for m in stub.Execute(requests())]
+    assert [(s.round_id, s.step_index) for s in steps] == [(r, i) for r in (0, 1) for i in range(8)]
+    assert all(s.request_ids == ["a", "b"] for s in steps)
+    later = [s for s in steps if s.round_id == 1]
+    assert all(s.logprobs[0] < 0 for s in later)
+    assert all((s.token_ids[1], s.logprobs[1]) == (0, 0.0) for s in later)
 
 
 async def test_malformed_round_aborts_stream_with_clear_status(
