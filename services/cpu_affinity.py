@@ -16,21 +16,25 @@ others. Placement decides which cores each process may use:
   * auto      the policy that measured best, below.
 
 Measured on a 2-core AMD EPYC (Zen 3), medium model (hidden 1024, 8 layers, fp32), 128 prompt
-+ 64 output tokens, --num-scheduler-steps 8, output tokens/s, one server per run, in one run of
++ 64 output tokens, --num-scheduler-steps 8, output tokens/s, one server per run, in two runs of
 `python -m benchmarks.run --models medium --concurrency 1,16 --input-len 128 --output-len 64
 --configs spindle --scheduler-steps 8 --spindle-env-variant <name>:SPINDLE_CPU_AFFINITY=<policy>`:
 
-  policy                     1 stream   16 streams   (run 1)
-  off                         29.2        88.1
-  spread                      30.4        89.7
-  isolate                     20.8        43.7
-  workers=0-1;host=1          31.2        88.9
+  policy                     1 stream (runs 1, 2)   16 streams (runs 1, 2)
+  off                         29.2  28.7             88.1  90.3
+  spread                      30.4  27.4             89.7  89.7
+  workers=0-1;host=1          31.2  28.2             88.9  90.3
+  isolate                     20.8   -               43.7   -
 
 Setting a core aside for frontend and scheduler (`isolate`) halves a 2-core host's decode
-throughput: they need a few per cent of a core, the worker loses half its GEMM threads. Binding
-the worker's threads (`spread`, or the same with the host services pinned to the last core)
-is +1-7 % over `off`, about the run-to-run spread of these figures, never worse. So `auto` is
-`spread`: on a larger host it is also what keeps --workers N off each other's cores.
+throughput: they need a few per cent of a core, the worker loses half its GEMM threads. With
+one worker, binding its threads (`spread`, alone or with the host services on the last core)
+is within 1-3 % of `off` on average, less than one configuration's own run-to-run spread
+(27.4-30.4 at one stream): on this host, placement of one worker is a wash.
+`auto` is `spread` all the same: tied here, it binds one thread per core, keeps --workers N
+from oversubscribing the cores (without it each worker starts a thread per core of the whole
+host), and leaves frontend and scheduler free to move (niced) rather than crowded onto one
+core of a large host.
 
 With --workers N the workers never share a core while there are at least N cores; with fewer,
 worker i gets core i mod the number of cores. Pinning uses os.sched_setaffinity on the process
