@@ -31,10 +31,11 @@ throughput: they need a few per cent of a core, the worker loses half its GEMM t
 one worker, binding its threads (`spread`, alone or with the host services on the last core)
 is within 1-3 % of `off` on average, less than one configuration's own run-to-run spread
 (27.4-30.4 at one stream): on this host, placement of one worker is a wash.
-`auto` is `spread` all the same: tied here, it binds one thread per core, keeps --workers N
-from oversubscribing the cores (without it each worker starts a thread per core of the whole
-host), and leaves frontend and scheduler free to move (niced) rather than crowded onto one
-core of a large host.
+With --workers 2 (run 3: the same with --concurrency 16 --spindle-arg=--workers --spindle-arg=2):
+off 82.4, spread 69.5 (-16 %): confined to
+one core each, a worker cannot use the other's core while that one waits for its next round,
+which unpinned workers do. So `auto` is `off`: it measured best or tied in every case here;
+`spread` and maps stay for hosts where processes must not share cores (other tenants, NUMA).
 
 With --workers N the workers never share a core while there are at least N cores; with fewer,
 worker i gets core i mod the number of cores. Pinning uses os.sched_setaffinity on the process
@@ -53,7 +54,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 POLICIES = ("off", "spread", "isolate", "auto")
-AUTO_POLICY = "spread"
+AUTO_POLICY = "off"
 
 
 @dataclass(frozen=True, slots=True)
