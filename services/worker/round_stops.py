@@ -20,6 +20,12 @@ decides them (`AbortRows`), apart from `finished_request_ids`, which also lists 
 preempted while a round was in flight and whose tokens of that round it still appends
 (worker_state.preempt). `Aborts` marks an aborted row stopped at the next step boundary, so
 it leaves the round computing within one step and the rounds queued behind it at their step 0.
+What that saves is at most the rest of the round and one queued round per aborted request:
+end to end it did not show (medium model, 2 cores, 16 streams of 128 + 64 tokens, half of them
+disconnecting after 4 tokens, one server per run: 9.52 s with early aborts, 9.34 s with
+SPINDLE_DISABLE_EARLY_ABORTS=1): at 16 rows a decode step costs about the same with 8 fewer.
+It counts where rows are costly (long contexts, large batches, GPUs), and it keeps an aborted
+request from holding compute at all once its round ends.
 
 On CUDA a step's tokens reach the host while the next step computes, so a stop token seen at
 step k removes the row from step k + 2; max_tokens is known in advance and needs no wait.
