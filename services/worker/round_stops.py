@@ -24,8 +24,8 @@ What that saves is at most the rest of the round and one queued round per aborte
 end to end it did not show (medium model, 2 cores, 16 streams of 128 + 64 tokens, half of them
 disconnecting after 4 tokens, one server per run: 9.52 s with early aborts, 9.34 s with
 SPINDLE_DISABLE_EARLY_ABORTS=1): at 16 rows a decode step costs about the same with 8 fewer.
-It counts where rows are costly (long contexts, large batches, GPUs), and it keeps an aborted
-request from holding compute at all once its round ends.
+It counts where rows are costly (long contexts, large batches, GPUs): an abort then wastes at
+most one step instead of up to two rounds of n steps.
 
 On CUDA a step's tokens reach the host while the next step computes, so a stop token seen at
 step k removes the row from step k + 2; max_tokens is known in advance and needs no wait.
