@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import subprocess
 import time
 import urllib.error
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.models import REPO
+from benchmarks.spindle_server import stop_server
 from tests.e2e.server import free_port
 
 logger = logging.getLogger(__name__)
@@ -126,21 +126,6 @@ def _healthy(url: str) -> bool:
         return False  # not listening yet, or 503 while llama.cpp loads
 
 
-def _stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the server's process group (vLLM runs its engine in a child), SIGKILL after 30 s."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        logger.warning("peer (pid %d) ignored SIGTERM for 30 s; killing its group", proc.pid)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 @contextlib.contextmanager
 def peer_server(peer: str, model_dir: Path, dtype: str, shape: ServeShape, log_path: Path,
                 timeout_s: float = 600.0) -> Iterator[RunningPeer]:
@@ -171,4 +156,4 @@ def peer_server(peer: str, model_dir: Path, dtype: str, shape: ServeShape, log_p
             logger.info("%s healthy after %.0f s", peer, time.monotonic() - start)
             yield RunningPeer(base_url, SERVED_NAME)
         finally:
-            _stop_group(proc)
+            stop_server(proc, peer, signal_group=True)

@@ -50,18 +50,26 @@ def spindle_server(model_dir: Path, *extra_args: str, num_threads: int, log_path
             _wait_healthy(server, timeout_s)
             yield server
         finally:
-            _stop(proc)
+            stop_server(proc, "spindle serve")
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM (the launcher stops its services), then SIGKILL the launcher's process group after 30 s."""
+def stop_server(proc: subprocess.Popen[bytes], label: str, *, signal_group: bool = False) -> None:
+    """SIGTERM, then SIGKILL the process group after 30 s.
+
+    `signal_group=False` signals only the process (spindle's launcher stops its own services);
+    True signals its whole group at once (vLLM runs its engine in a child that must stop too).
+    """
     if proc.poll() is not None:
         return
-    proc.send_signal(signal.SIGTERM)
+    with contextlib.suppress(ProcessLookupError):
+        if signal_group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
-        logger.warning("spindle serve (pid %d) ignored SIGTERM for 30 s; killing it", proc.pid)
+        logger.warning("%s (pid %d) ignored SIGTERM for 30 s; killing its process group", label, proc.pid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
