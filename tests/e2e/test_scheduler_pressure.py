@@ -30,10 +30,11 @@ def scheduler_stats(address: str) -> scheduler_pb2.SchedulerStats:
         return stub.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest()).stats
 
 
-def jobs_for(seed: int, count: int = 32, max_prompt: int = 60, max_out: int = 40) -> list[tuple[list[int], int]]:
+def jobs_for(seed: int, count: int = 32, max_prompt: int = 60, max_out: int = 40,
+             min_prompt: int = 3, min_out: int = 1) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    return [([rng.randrange(4, 512) for _ in range(rng.randint(3, max_prompt))], rng.randint(1, max_out))
-            for _ in range(count)]
+    return [([rng.randrange(4, 512) for _ in range(rng.randint(min_prompt, max_prompt))],
+             rng.randint(min_out, max_out)) for _ in range(count)]
 
 
 async def generate_all(address: str, model: str, jobs: list[tuple[list[int], int]],
@@ -61,7 +62,10 @@ def assert_matches_oracle(model_dir: Path, jobs: list[tuple[list[int], int]], re
 
 def test_preemption_keeps_greedy_output(tiny_models: dict[str, Path]) -> None:
     model_dir = tiny_models["llama"]
-    jobs = jobs_for(11)
+    # Every request grows to 70-100 tokens (5-7 blocks) from a prompt of at most 4 blocks, so any
+    # two admitted together outgrow the pool: preemption does not depend on arrival timing (with
+    # 3..60-token prompts and 1..40 outputs, a slow CI machine once ran all 32 without any).
+    jobs = jobs_for(11, min_prompt=40, min_out=30)
     with spindle_services(model_dir, worker_args=("--kv-cache-bytes", str(12 * BLOCK_BYTES))) as svc:
         results = asyncio.run(generate_all(svc.server.grpc_address, svc.server.model_name, jobs))
         stats = scheduler_stats(svc.scheduler_address)
