@@ -9,12 +9,14 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,7 +50,7 @@ def spindle_serve(model_dir: Path, *extra_args: str, timeout_s: float = 180.0,
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE)
     server = RunningServer(f"{scheme}://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", model_dir.name, proc)
     try:
-        _wait_healthy(server, timeout_s)
+        _wait_launcher_ready(server, timeout_s)
         yield server
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -58,6 +60,31 @@ def spindle_serve(model_dir: Path, *extra_args: str, timeout_s: float = 180.0,
             proc.kill()
             proc.wait()
             raise AssertionError("spindle serve did not stop within 30 s of SIGTERM") from None
+
+
+def _wait_launcher_ready(server: RunningServer, timeout_s: float) -> None:
+    """Wait for the launcher's own "spindle is ready" line, not only for /health.
+
+    /health can answer 200 a moment before the launcher's probe sees it; a child killed in that
+    moment counts as a start-up failure and stops everything. The launcher restarts dead children
+    only once it has printed the line, so a fault test must strike after it. A thread keeps
+    draining stdout so the launcher never blocks on a full pipe.
+    """
+    ready = threading.Event()
+
+    def drain(stream: IO[bytes]) -> None:
+        for line in stream:
+            if line.startswith(b"spindle is ready"):
+                ready.set()
+
+    assert server.process.stdout is not None
+    threading.Thread(target=drain, args=(server.process.stdout,), daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not ready.wait(0.1):
+        if server.process.poll() is not None:
+            raise AssertionError(f"spindle serve exited early with code {server.process.returncode}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"spindle serve not ready after {timeout_s} s")
 
 
 def _wait_healthy(server: RunningServer, timeout_s: float) -> None:
