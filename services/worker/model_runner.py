@@ -175,18 +175,25 @@ class ModelRunner:
     def _start_round(self, rows: np.ndarray, num_scheduled: np.ndarray) -> tuple[RoundRows, np.ndarray, np.ndarray]:
         """The round's sampling rows, and its step-0 batch without the sampling rows that stopped
         already (the scheduler sent this round before it saw their stop; it discards their tokens)
-        and without aborted prefill chunks. An aborted chunk counts as computed, so that a queued
-        round finishing the prompt still lists the request as sampling (with placeholders), as
-        the scheduler expects."""
+        and without aborted rows.
+
+        An aborted row computes nothing, but its counters move as if it had, so that a round
+        queued before the abort still lists the request as sampling (placeholders) wherever the
+        scheduler planned it to, however early the abort landed: a dropped prefill chunk counts
+        as computed, and a sampling row is left one token short of what it knows, as a decoding
+        row is (it appends no tokens, so the next round's one token again reaches the end).
+        """
         st = self.states
         self.aborts.apply(st, self.stops)
-        samples = st.num_computed_tokens[rows] + num_scheduled == st.num_tokens[rows]  # as build() decides
-        samplers = RoundRows(self.stops, rows[samples], st.num_output(rows[samples]))
-        batch = ~samples
-        dropped = batch & self.stops.aborted[rows]
-        if dropped.any():
+        known = st.num_tokens[rows]
+        samples = st.num_computed_tokens[rows] + num_scheduled == known  # as build() decides
+        aborted = self.stops.aborted[rows]
+        if aborted.any():
+            dropped = aborted & ~samples
             st.num_computed_tokens[rows[dropped]] += num_scheduled[dropped]
-            batch &= ~dropped
+            st.num_computed_tokens[rows[aborted & samples]] = known[aborted & samples] - 1
+        samplers = RoundRows(self.stops, rows[samples], st.num_output(rows[samples]))
+        batch = ~samples & ~aborted
         batch[np.flatnonzero(samples)[samplers.live]] = True
         return samplers, rows[batch], num_scheduled[batch]
 

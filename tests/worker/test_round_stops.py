@@ -172,6 +172,22 @@ def test_row_stopped_in_an_earlier_round_is_left_out_of_a_round_sent_before(
     assert _tokens(outputs, "b") == solo["b"][3:6]
 
 
+def test_abort_before_a_new_rows_prefill_keeps_it_sampling_in_the_rounds_sent_before(
+    llama_dir: Path, solo: dict[str, list[int]]
+) -> None:
+    """b is aborted before its first round starts: that round computes only a, and the round
+    queued behind it (b as a decode, as the scheduler planned) still lists b with placeholders,
+    instead of taking b's one token for a prefill chunk and leaving it out of the step."""
+    runner, model = _counting_runner(llama_dir)
+    runner.abort(["b"])
+    first = _run(runner, _first_round(3, ignore_eos=True))
+    second = _run(runner, ExecuteRound(round_id=1, num_steps=3, cached_requests=CachedRequestData(
+        ["a", "b"], [[], []]), num_scheduled_tokens=[1, 1]))
+    assert model.num_tokens == [len(PROMPTS["a"]), 1, 1, 1, 1, 1], "b computed nothing"
+    assert all(out.request_ids == ["a", "b"] and out.token_ids[1] == 0 for out in first + second)
+    assert _tokens(first + second, "a") == solo["a"]
+
+
 def test_placeholders_carry_no_top_logprobs(llama_dir: Path) -> None:
     runner, _ = _counting_runner(llama_dir)
     round_ = _first_round(3, max_tokens=1, logprobs=2)
