@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          "token budget of one round's first step per worker"),
         ("--num-scheduler-steps", "NUM_SCHEDULER_STEPS", defaults.num_scheduler_steps,
          "decode steps per round when no prefill is pending (multi-step)"),
+        ("--max-step-tokens-per-decode", "MAX_STEP_TOKENS_PER_DECODE", defaults.max_step_tokens_per_decode,
+         "while D requests decode, a step computes at most D x this tokens (bounds the stall a burst of "
+         "prefills causes; 0 = off)"),
         ("--max-inflight-rounds", "MAX_INFLIGHT_ROUNDS", defaults.max_inflight_rounds,
          "rounds sent ahead to a worker (2 = pipelined)"),
         ("--pipeline-quiet-rounds", "PIPELINE_QUIET_ROUNDS", defaults.pipeline_quiet_rounds,
@@ -110,6 +113,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_scheduler_steps=args.num_scheduler_steps,
+        max_step_tokens_per_decode=args.max_step_tokens_per_decode,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_priority_preemption=args.enable_priority_preemption,
         max_inflight_rounds=args.max_inflight_rounds,

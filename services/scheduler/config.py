@@ -11,6 +11,9 @@ from shared.tls import TlsFiles
 
 DEFAULT_LISTEN = "0.0.0.0:50052"
 DEFAULT_WORKER_ADDRS = "127.0.0.1:50061"
+# The smallest step-0 budget while requests decode: a few decoding streams still let a prompt
+# through in a handful of chunks instead of a few tokens per step.
+MIN_STEP_TOKENS_WHILE_DECODING = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +26,11 @@ class SchedulerConfig:
         max_num_seqs: most requests holding KV blocks on one worker at once.
         max_num_batched_tokens: most tokens computed in step 0 of one round on one worker.
         num_scheduler_steps: decode steps per round when no prefill is pending (multi-step).
+        max_step_tokens_per_decode: while D requests decode on a worker, step 0 of its round
+            computes at most max(D x this, MIN_STEP_TOKENS_WHILE_DECODING) tokens, so a burst of
+            prefills stalls the streams already running for about this many decode steps at
+            most (0 = off: max_num_batched_tokens alone). On a CPU a step's time grows with its
+            tokens, so this bounds inter-token latency (round_builder.step_token_budget).
         enable_prefix_caching: share full computed KV blocks between requests by hash.
         enable_priority_preemption: a waiting request may preempt running lower-priority ones.
         max_inflight_rounds: rounds sent to a worker whose last step has not come back
@@ -54,6 +62,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     num_scheduler_steps: int = 8
+    max_step_tokens_per_decode: int = 3
     enable_prefix_caching: bool = True
     enable_priority_preemption: bool = False
     max_inflight_rounds: int = 2
@@ -79,6 +88,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
+        if self.max_step_tokens_per_decode != 0 and self.max_step_tokens_per_decode < 2:
+            raise ValueError(f"{self.max_step_tokens_per_decode=} must be 0 (off) or >= 2 (room for prefills)")
         if self.pipeline_quiet_rounds < 0:
             raise ValueError(f"{self.pipeline_quiet_rounds=} must be >= 0")
         if self.worker_ready_timeout_s < 0:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.scheduler.config import SchedulerConfig
+from services.scheduler.config import MIN_STEP_TOKENS_WHILE_DECODING, SchedulerConfig
 from services.scheduler.kv_block_manager import KVBlockManager
-from services.scheduler.multi_step import choose_num_steps
+from services.scheduler.multi_step import choose_num_steps, is_certain_to_finish
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.worker_state import InflightEntry, InflightRound, WorkerState
 from shared.execute import CachedRequestData, ExecuteRound, NewRequestData
@@ -43,6 +43,36 @@ class RoundBuilder:
         return plan.finalize()
 
 
+def step_token_budget(ws: WorkerState, config: SchedulerConfig, max_model_len: int) -> int:
+    """Tokens step 0 of the next round may compute: fewer while requests decode.
+
+    A step's time grows with its tokens on a CPU, so a step that prefills 2,048 prompt tokens
+    beside 16 decodes stalls those 16 streams for ~100 decode steps' worth of time. While D
+    requests decode, the step is held to D x max_step_tokens_per_decode tokens (at least
+    MIN_STEP_TOKENS_WHILE_DECODING): every step still gives each stream its token, and an
+    inter-token gap stays within about that factor of a plain decode step. Sized by the
+    streams decoding now, not by those still waiting, which would let a burst's first steps
+    stall its first few streams for the whole batch's worth. Only a waiting queue or a
+    chunked prefill makes the cap matter, so the count is skipped otherwise.
+    """
+    budget = config.max_num_batched_tokens
+    per_decode = config.max_step_tokens_per_decode
+    if not per_decode or not ws.running:
+        return budget
+    num_decoding = 0
+    prefill_pending = bool(ws.waiting)
+    for request in ws.running:
+        if is_certain_to_finish(request, max_model_len):
+            continue
+        if request.num_computed_tokens >= request.num_optimistic_tokens - 1:
+            num_decoding += 1
+        else:
+            prefill_pending = True
+    if not num_decoding or not prefill_pending:
+        return budget
+    return min(budget, max(num_decoding * per_decode, MIN_STEP_TOKENS_WHILE_DECODING))
+
+
 class _Plan:
     """One round under construction."""
 
@@ -52,9 +82,9 @@ class _Plan:
         self.kv = kv
         self.config = config
         self.max_model_len = builder.max_model_len
-        self.budget = config.max_num_batched_tokens
+        self.budget = step_token_budget(ws, config, builder.max_model_len)
         self.num_steps = choose_num_steps(ws, config.num_scheduler_steps, config.max_num_seqs,
-                                          config.max_num_batched_tokens, builder.max_model_len,
+                                          self.budget, builder.max_model_len,
                                           config.enable_priority_preemption)
         self.entries: dict[str, _Entry] = {}
         self.preempted = False

@@ -167,6 +167,45 @@ def _run_all(sched: Scheduler, worker: FakeWorker, sink: UpdateSink, *rounds: Ex
             sched.update_from_output(0, out, sink)
 
 
+def test_a_burst_of_prefills_is_held_to_a_few_tokens_per_decoding_stream() -> None:
+    """While D streams decode, a step carries at most D x 3 tokens: the burst waits its turn."""
+    sched, [worker] = _make(num_blocks=1024, max_num_batched_tokens=2048, max_num_seqs=256,
+                            max_step_tokens_per_decode=3)
+    sink = UpdateSink()
+    for i in range(32):
+        sched.add_request(_req(f"early{i}", [5 + i, 6, 7, 8], max_tokens=100), sink)
+    _run_all(sched, worker, sink, sched.schedule()[0])  # 32 prefills in one step: nobody decodes yet
+    for i in range(40):  # distinct first tokens: no prefix-cache hits
+        sched.add_request(_req(f"burst{i}", [200 + i, *range(4, 103)], max_tokens=4), sink)
+    steps: list[tuple[int, int]] = []  # (tokens, decodes) per step while the burst prefills
+    while any(r.request_id.startswith("burst") and r.num_computed_tokens < 100 for r in sched.requests.values()):
+        rnd = sched.schedule()[0]
+        steps.append((sum(rnd.num_scheduled_tokens), rnd.num_scheduled_tokens.count(1)))
+        _run_all(sched, worker, sink, rnd)
+    assert steps[0] == (96, 32), "the budget is used in full while the burst waits"
+    assert all(tokens <= 3 * decodes for tokens, decodes in steps), f"a step stalled the decoding streams: {steps}"
+    assert len(steps) > 4000 // 96, "the 4,000 burst tokens went through in small steps (2 without the cap)"
+
+
+def test_without_the_cap_a_burst_fills_the_step_budget() -> None:
+    sched, [worker] = _make(num_blocks=1024, max_num_batched_tokens=2048, max_step_tokens_per_decode=0)
+    sink = UpdateSink()
+    sched.add_request(_req("early", [5, 6, 7, 8], max_tokens=100), sink)
+    _run_all(sched, worker, sink, sched.schedule()[0])
+    for i in range(40):
+        sched.add_request(_req(f"burst{i}", list(range(4, 104)), max_tokens=4), sink)
+    assert sum(sched.schedule()[0].num_scheduled_tokens) == 2048
+
+
+def test_few_decoding_streams_still_let_a_prompt_through_in_chunks_of_64() -> None:
+    sched, [worker] = _make(num_blocks=1024, max_num_batched_tokens=2048, max_step_tokens_per_decode=3)
+    sink = UpdateSink()
+    sched.add_request(_req("early", [5, 6, 7, 8], max_tokens=100), sink)
+    _run_all(sched, worker, sink, sched.schedule()[0])
+    sched.add_request(_req("long", list(range(4, 204)), max_tokens=4), sink)
+    assert sched.schedule()[0].num_scheduled_tokens == [63, 1], "2 streams: the 64-token floor, the decode included"
+
+
 def test_multi_step_round_admits_whole_prefills_and_shrinks_for_chunks() -> None:
     sched, [worker] = _make(num_scheduler_steps=8, max_num_batched_tokens=16)
     sink = UpdateSink()
