@@ -3,6 +3,9 @@ row count and odd shapes), and FastLinear uses it only up to the row count calib
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -56,6 +59,43 @@ def test_calibrate_sets_every_layer_of_a_shape_alike() -> None:
     chosen = calibrate(model)
     assert set(chosen) == {(64, 64, "float32"), (128, 64, "float32")}
     assert model[0].kernel_max_rows == model[1].kernel_max_rows == chosen[(64, 64, "float32")]
+
+
+def test_calibration_is_measured_once_then_read_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A second start reads the stored answer instead of measuring; SPINDLE_RECALIBRATE=1 measures again."""
+    from services.worker.models import fast_linear
+
+    path = tmp_path / "build" / "linear_calibration.json"
+    monkeypatch.setattr(fast_linear, "calibration_path", lambda: path)
+    measured: list[tuple[int, ...]] = []
+
+    def fake_measure(weight: torch.Tensor, bias: torch.Tensor | None) -> int:
+        measured.append(tuple(weight.shape))
+        return 8 * len(measured)
+
+    monkeypatch.setattr(fast_linear, "kernel_max_rows", fake_measure)
+    model = torch.nn.Sequential(FastLinear(64, 64), FastLinear(64, 128, bias=False))
+    assert calibrate(model) == {(64, 64, "float32"): 8, (128, 64, "float32"): 16}
+    assert measured == [(64, 64), (128, 64)] and path.is_file()
+    assert calibrate(torch.nn.Sequential(FastLinear(64, 64), FastLinear(64, 32))) == {
+        (64, 64, "float32"): 8, (32, 64, "float32"): 24}, "only the new shape is measured"
+    assert measured == [(64, 64), (128, 64), (32, 64)]
+    monkeypatch.setenv("SPINDLE_RECALIBRATE", "1")
+    assert calibrate(model) == {(64, 64, "float32"): 32, (128, 64, "float32"): 40}
+    monkeypatch.delenv("SPINDLE_RECALIBRATE")
+    assert calibrate(model) == {(64, 64, "float32"): 32, (128, 64, "float32"): 40}, "the new answer was stored"
+    assert len(measured) == 5
+
+
+def test_an_unreadable_calibration_file_is_measured_over(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from services.worker.models import fast_linear
+
+    path = tmp_path / "linear_calibration.json"
+    path.write_text("{not json")
+    monkeypatch.setattr(fast_linear, "calibration_path", lambda: path)
+    monkeypatch.setattr(fast_linear, "kernel_max_rows", lambda weight, bias: 4)
+    assert calibrate(torch.nn.Sequential(FastLinear(64, 64))) == {(64, 64, "float32"): 4}
+    assert json.loads(path.read_text()) == {f"64x64 float32 bias threads={torch.get_num_threads()}": 4}
 
 
 @pytest.mark.parametrize("slice_bytes", [1 << 30, 64 * 4 * 7])

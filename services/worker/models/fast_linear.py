@@ -6,7 +6,8 @@ it measured 12.7 GB/s of weights for one row and 2.7 GB/s for eight, where the m
 once for all rows. Which one is faster depends on the CPU, the BLAS and the shape, so nothing
 is assumed: `calibrate` times both for each weight shape of the loaded model at a few row
 counts and sets, per layer, the largest row count up to which the kernel won every probe
-(0 where it never did, e.g. on a CPU where the BLAS is better). Same parameter names as
+(0 where it never did, e.g. on a CPU where the BLAS is better), once per kernel build and
+thread count: the answer is kept on disk (calibration_cache.py). Same parameter names as
 `nn.Linear`, so checkpoints load unchanged.
 
 Weights may be stored in bfloat16 under float32 activations (`--weight-dtype bfloat16`,
@@ -21,10 +22,13 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from services.worker.models import calibration_cache
 
 logger = logging.getLogger(__name__)
 
@@ -115,12 +119,20 @@ def kernel_max_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> int:
     return best
 
 
+def calibration_path() -> Path:
+    """Where this kernel build's calibration is kept (beside the build, keyed like it)."""
+    from services.worker.kernels.build import library_path
+
+    return library_path().parent / calibration_cache.FILE_NAME
+
+
 @torch.inference_mode()
 def calibrate(model: nn.Module) -> dict[tuple[int, int, str], int]:
     """Set `kernel_max_rows` on every CPU FastLinear of `model`; returns it per (out, in, weight dtype).
 
-    Layers of one shape share one measurement. Without the kernels (not built, or disabled)
-    everything stays on F.linear.
+    Layers of one shape share one measurement, and a shape measured before on this kernel
+    build with this many threads is read back (calibration_cache.py). Without the kernels
+    (not built, or disabled) everything stays on F.linear.
     """
     from services.worker.kernels.build import KernelBuildError, load_kernels
 
@@ -134,12 +146,21 @@ def calibrate(model: nn.Module) -> dict[tuple[int, int, str], int]:
         logger.info("linear layers use torch's GEMM only: %s", exc)
         return {}
     start = time.perf_counter()
+    path = calibration_path()
+    stored = calibration_cache.load(path)
+    measured: dict[str, int] = {}
     by_shape: dict[tuple[int, int, str], int] = {}
     for layer in layers:
-        shape = (layer.out_features, layer.in_features, str(layer.weight.dtype).removeprefix("torch."))
+        dtype = str(layer.weight.dtype).removeprefix("torch.")
+        shape = (layer.out_features, layer.in_features, dtype)
         if shape not in by_shape:
-            by_shape[shape] = kernel_max_rows(layer.weight, layer.bias)
+            key = calibration_cache.entry_key(*shape, layer.bias is not None, torch.get_num_threads())
+            if key not in stored:
+                measured[key] = kernel_max_rows(layer.weight, layer.bias)
+            by_shape[shape] = stored.get(key, measured.get(key, 0))
         layer.kernel_max_rows = by_shape[shape]
-    logger.info("linear kernel chosen by measurement (%.1f s): up to %s rows per (out, in, weight dtype)",
-                time.perf_counter() - start, by_shape)
+    calibration_cache.store(path, measured)
+    logger.info("linear kernel chosen by measurement (%.1f s; %d of %d shapes read from %s): up to %s rows "
+                "per (out, in, weight dtype)", time.perf_counter() - start, len(by_shape) - len(measured),
+                len(by_shape), path, by_shape)
     return by_shape

@@ -1,0 +1,60 @@
+"""The linear kernel's calibration, kept on disk per kernel build, so a worker measures once.
+
+`fast_linear.calibrate` times spindle's kernel against torch's GEMM for each weight shape at
+start-up (~2-3 s for a 100M-parameter model on 2 cores), and the answer came out differently
+from one start to the next where the two are close, so two runs of one benchmark did not run
+the same code. The answer depends on the CPU, the kernel build, torch and the thread count:
+it is stored beside the build (whose folder is keyed by sources, flags, torch version and CPU
+features), under a key holding the shape, the weight dtype, the bias and the torch threads.
+Written atomically (rename), merged with what other workers wrote meanwhile; an unreadable
+file is measured over. `SPINDLE_RECALIBRATE=1` measures again and overwrites.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+RECALIBRATE_ENV = "SPINDLE_RECALIBRATE"
+FILE_NAME = "linear_calibration.json"
+
+
+def entry_key(out_features: int, in_features: int, weight_dtype: str, has_bias: bool, num_threads: int) -> str:
+    return f"{out_features}x{in_features} {weight_dtype} {'bias' if has_bias else 'nobias'} threads={num_threads}"
+
+
+def load(path: Path) -> dict[str, int]:
+    """Stored row counts by `entry_key`; empty when absent or unreadable, or when a recalibration was asked for."""
+    return {} if os.environ.get(RECALIBRATE_ENV) == "1" else _read(path)
+
+
+def store(path: Path, measured: dict[str, int]) -> None:
+    """Add `measured` to the file (atomically); a failure to write only costs the next start its time."""
+    if not measured:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        merged = {**_read(path), **measured}
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as tmp:
+            json.dump(merged, tmp, indent=1, sort_keys=True)
+        os.replace(tmp.name, path)
+    except OSError as exc:
+        logger.warning("could not store the linear calibration in %s: %s", path, exc)
+
+
+def _read(path: Path) -> dict[str, int]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        logger.warning("ignoring the linear calibration cache %s: %s", path, exc)
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, int) and v >= 0}
