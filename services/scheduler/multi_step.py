@@ -29,6 +29,12 @@ def is_certain_to_finish(request: Request, max_model_len: int) -> bool:
             or request.num_tokens + num_inflight >= max_model_len)
 
 
+def is_prefilling(request: Request) -> bool:
+    """Tokens it knows are still to be computed before it samples again (a prompt, or a
+    recompute after preemption): the next step is a chunk, not a decode."""
+    return request.num_computed_tokens < request.num_optimistic_tokens - 1
+
+
 def can_admit_now(ws: WorkerState, max_num_seqs: int, enable_priority_preemption: bool) -> bool:
     """Whether the head of the waiting queue could get a sequence slot and a block this round."""
     if not ws.waiting or ws.kv is None:
@@ -39,7 +45,7 @@ def can_admit_now(ws: WorkerState, max_num_seqs: int, enable_priority_preemption
             and ws.running[-1].priority < ws.waiting.peek().priority)
 
 
-def choose_num_steps(ws: WorkerState, num_scheduler_steps: int, max_num_seqs: int, max_num_batched_tokens: int,
+def choose_num_steps(ws: WorkerState, num_scheduler_steps: int, max_num_seqs: int, token_budget: int,
                      max_model_len: int, enable_priority_preemption: bool = False) -> int:
     if num_scheduler_steps == 1 or ws.kv is None:
         return 1
@@ -48,9 +54,9 @@ def choose_num_steps(ws: WorkerState, num_scheduler_steps: int, max_num_seqs: in
     for request in ws.running:
         if is_certain_to_finish(request, max_model_len):
             continue
-        num_known = request.num_optimistic_tokens
-        if request.num_computed_tokens < num_known - 1:
+        if is_prefilling(request):
             return 1  # mid-prefill
+        num_known = request.num_optimistic_tokens
         remaining = request.sampling.max_tokens - request.num_output_tokens - request.num_inflight_tokens
         if remaining > wanted:
             wanted = remaining
@@ -59,7 +65,7 @@ def choose_num_steps(ws: WorkerState, num_scheduler_steps: int, max_num_seqs: in
     if can_admit_now(ws, max_num_seqs, enable_priority_preemption):
         head = ws.waiting.peek()
         # Decodes take one token each from the budget; the rest is for whole prefills.
-        if head.num_tokens > max_num_batched_tokens - len(ws.running):
+        if head.num_tokens > token_budget - len(ws.running):
             return 1  # the head needs chunking
         wanted = max(wanted, head.sampling.max_tokens - head.num_output_tokens)
         room = min(room, max_model_len - head.num_tokens + 1)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from services.scheduler.config import MIN_STEP_TOKENS_WHILE_DECODING, SchedulerConfig
 from services.scheduler.kv_block_manager import KVBlockManager
-from services.scheduler.multi_step import choose_num_steps, is_certain_to_finish
+from services.scheduler.multi_step import choose_num_steps, is_certain_to_finish, is_prefilling
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.worker_state import InflightEntry, InflightRound, WorkerState
 from shared.execute import CachedRequestData, ExecuteRound, NewRequestData
@@ -64,10 +64,10 @@ def step_token_budget(ws: WorkerState, config: SchedulerConfig, max_model_len: i
     for request in ws.running:
         if is_certain_to_finish(request, max_model_len):
             continue
-        if request.num_computed_tokens >= request.num_optimistic_tokens - 1:
-            num_decoding += 1
-        else:
+        if is_prefilling(request):
             prefill_pending = True
+        else:
+            num_decoding += 1
     if not num_decoding or not prefill_pending:
         return budget
     return min(budget, max(num_decoding * per_decode, MIN_STEP_TOKENS_WHILE_DECODING))

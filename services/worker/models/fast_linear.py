@@ -151,13 +151,13 @@ def calibrate(model: nn.Module) -> dict[tuple[int, int, str], int]:
     measured: dict[str, int] = {}
     by_shape: dict[tuple[int, int, str], int] = {}
     for layer in layers:
-        dtype = str(layer.weight.dtype).removeprefix("torch.")
-        shape = (layer.out_features, layer.in_features, dtype)
+        shape = (layer.out_features, layer.in_features, str(layer.weight.dtype).removeprefix("torch."))
         if shape not in by_shape:
             key = calibration_cache.entry_key(*shape, layer.bias is not None, torch.get_num_threads())
-            if key not in stored:
-                measured[key] = kernel_max_rows(layer.weight, layer.bias)
-            by_shape[shape] = stored.get(key, measured.get(key, 0))
+            rows = stored.get(key)
+            if rows is None:
+                rows = measured[key] = kernel_max_rows(layer.weight, layer.bias)
+            by_shape[shape] = rows
         layer.kernel_max_rows = by_shape[shape]
     calibration_cache.store(path, measured)
     logger.info("linear kernel chosen by measurement (%.1f s; %d of %d shapes read from %s): up to %s rows "
