@@ -24,7 +24,8 @@ def kernels() -> None:
 
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "out_features", "in_features"),
-                         [(1, 64, 32), (3, 37, 19), (4, 8, 8), (7, 130, 67), (16, 96, 256), (33, 5, 9)])
+                         [(1, 64, 32), (1, 130, 75), (1, 3, 5), (1, 200, 1024),
+                          (3, 37, 19), (4, 8, 8), (7, 130, 67), (16, 96, 256), (33, 5, 9)])
 def test_kernel_equals_f_linear(rows: int, out_features: int, in_features: int, weight_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=gen)

@@ -12,6 +12,12 @@
 // the widening happens in registers; with more, each 4-feature slice of W is widened once into
 // an fp32 scratch that stays in L1/L2 and every row block reads that (widening per row block
 // measured 1.3x slower than fp32 weights at 16 rows; once per slice it costs 1/M of that).
+// One row (a single stream) goes another way: one output feature at a time, so each thread reads
+// its share of W as one sequential stream, with 4 accumulators over k for the FMA latency. The
+// tile's 4 interleaved row streams kept the hardware prefetcher from following (on a 2-core AMD
+// EPYC that sums memory at 53 GB/s: 23-33 GB/s with the tile, 30-43 with one stream for fp32
+// weights, 15-21 vs 27-42 for bf16, at the medium model's shapes); from two rows on, the tile's
+// reuse of x and W in registers won or tied at most shapes, so it keeps those.
 // Which calls use it is decided by measurement at run time (models/fast_linear.py).
 
 #include <ATen/Parallel.h>
@@ -86,6 +92,25 @@ inline void tile(const float* x, const W* w, float* y, int64_t K, int64_t N, int
     for (int64_t f = 0; f < nf; ++f) y[(m0 + m) * N + f0 + f] = acc[m][f];
 }
 
+// x . w over K: one sequential read of the row w (see the top for why one row runs this way).
+template <typename W>
+inline float row_dot(const float* x, const W* w, int64_t K) {
+  int64_t k = 0;
+  float sum = 0.0f;
+#ifdef __AVX2__
+  constexpr int64_t kUnroll = 4;  // independent accumulators: FMA latency x throughput
+  __m256 acc[kUnroll];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  for (; k + 8 * kUnroll <= K; k += 8 * kUnroll)
+    for (int64_t u = 0; u < kUnroll; ++u)
+      acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8 * u), load8(w + k + 8 * u), acc[u]);
+  for (; k + 8 <= K; k += 8) acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8(w + k), acc[0]);
+  sum = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+#endif
+  for (; k < K; ++k) sum += x[k] * static_cast<float>(w[k]);
+  return sum;
+}
+
 // bf16 -> fp32 by a shift (exact), vectorised where AVX2 is there.
 inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
   int64_t i = 0;
@@ -97,6 +122,12 @@ inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
 
 template <typename W>
 void run(const float* x, const W* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  if (M == 1) {
+    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t f = begin; f < end; ++f) y[f] = row_dot(x, w + f * K, K) + (bias != nullptr ? bias[f] : 0.0f);
+    });
+    return;
+  }
   const int64_t num_blocks = (N + kFeaturesPerBlock - 1) / kFeaturesPerBlock;
   constexpr bool kWiden = !std::is_same_v<W, float>;
   const bool widen_once = kWiden && M > kRowsPerBlock;  // several row blocks share each slice of W
