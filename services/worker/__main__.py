@@ -16,7 +16,7 @@ import grpc
 
 from services.cpu_affinity import add_cpu_cores_argument
 from services.worker.config import DEFAULT_LISTEN, WEIGHT_DTYPES, WorkerConfig
-from services.worker.round_pipeline import RoundPipeline
+from services.worker.round_pipeline import RoundPipeline, compute_thread
 from services.worker.servicer import WorkerServicer
 from services.worker.telemetry import WorkerTelemetry
 from services.worker.worker import Worker
@@ -169,12 +169,14 @@ async def serve(config: WorkerConfig) -> None:
         # Up before the model loads, so a scrape tells "loading" (worker_ready 0) from "down".
         metrics_server = await serve_metrics(telemetry.metrics.registry, config.listen.rsplit(":", 1)[0],
                                              config.metrics_port)
+    compute = compute_thread()  # loads the model, then runs every round (round_pipeline.py says why)
     try:
-        worker = await asyncio.to_thread(Worker, config)
+        worker = await asyncio.get_running_loop().run_in_executor(compute, Worker, config)
     except BaseException:
+        compute.shutdown(wait=False)
         await service.server.stop(0)
         raise
-    pipeline = RoundPipeline(worker.runner, telemetry, config.fault_fail_round)
+    pipeline = RoundPipeline(worker.runner, telemetry, config.fault_fail_round, compute)
     servicer.attach(worker.info, pipeline)
     await service.set_serving([SERVICE_NAME])
     telemetry.metrics.ready.set(1)
