@@ -4,11 +4,10 @@ Workers run torch's OpenMP pool; every parallel op ends at a barrier, so a threa
 its core (to another worker, to the frontend or scheduler, or to a migration) stalls all the
 others. Placement decides which cores each process may use:
 
-  * off       nothing pinned: the kernel places everything (frontend and scheduler run niced,
-              --host-services-nice, so they mostly fill the workers' gaps).
+  * off       nothing pinned: the kernel places everything.
   * spread    the workers split the cores (contiguous, as equal as possible), each worker runs
               one torch thread per core of its share, bound to that core (OMP_PLACES); frontend
-              and scheduler stay unpinned (niced).
+              and scheduler stay unpinned.
   * isolate   frontend and scheduler get the last core, the workers split the others (one
               thread per core, bound); with fewer cores than workers + 1 it is `spread`.
   * an explicit map: `workers=0-5;host=6-7` (workers split 0-5), or per worker

@@ -48,11 +48,10 @@ class ServeConfig:
     worker_args: tuple[str, ...] = field(default=())
     scheduler_args: tuple[str, ...] = field(default=())
     frontend_args: tuple[str, ...] = field(default=())
-    # Niceness of frontend and scheduler: on one host they share cores with the worker's
-    # torch threads, and every time they take a core a parallel op waits at its barrier.
-    # Lower priority lets the worker keep its cores; they run in its gaps (+12-15 % decode
-    # throughput measured on 2 cores, see README). 0 turns it off.
-    host_services_nice: int = 10
+    # Niceness of frontend and scheduler. 0 by default: the worker's OpenMP threads spin between
+    # parallel regions, so the worker leaves no gaps for niced services to run in, and a niced
+    # frontend or scheduler handed tokens on in bursts and admitted prompts late (README).
+    host_services_nice: int = 0
     # Core placement of workers and host services (services/cpu_affinity.py): a policy or a map.
     cpu_affinity: str = "auto"
     # Prometheus ports: frontend here, scheduler +1, worker i +2+i (0: no metrics).
