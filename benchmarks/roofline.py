@@ -50,9 +50,18 @@ def bandwidth_fraction(tokens_per_s: float, spec: TinyModelSpec, dtype: str, lim
     return tokens_per_s * weight_bytes(spec, dtype) / limits.read_bandwidth
 
 
-def gemm_fraction(tokens_per_s: float, spec: TinyModelSpec, limits: MachineLimits) -> float:
-    """Batched decode: 2 x weights x tok/s / peak GEMM FLOP/s (attention's FLOPs not counted)."""
-    return 2.0 * decode_weights(spec) * tokens_per_s / limits.gemm_flops
+def gemm_fraction(tokens_per_s: float, spec: TinyModelSpec, limits: MachineLimits,
+                  prompt_tokens_per_output: float = 0.0) -> float:
+    """Batched decode: 2 x weights x tok/s / peak GEMM FLOP/s (attention's FLOPs not counted).
+
+    With `prompt_tokens_per_output` (the workload's prompt / output lengths) the prompt tokens
+    the same run computed count too, each through every weight but the LM head (only a prompt's
+    last position is sampled): the FLOPs the machine did, where output tokens alone leave out
+    half of a 128 + 128 workload's.
+    """
+    prompt_weights = decode_weights(spec) - spec.vocab_size * spec.hidden_size
+    flops_per_output = 2.0 * (decode_weights(spec) + prompt_tokens_per_output * prompt_weights)
+    return flops_per_output * tokens_per_s / limits.gemm_flops
 
 
 def tail_ratio(p99_ms: float, p50_ms: float) -> float | None:

@@ -45,5 +45,8 @@ def test_fractions() -> None:
     assert bandwidth_fraction(10.0, spec, "float32", limits) == pytest.approx(10 * 4 * per_token / 4e10)
     assert bandwidth_fraction(10.0, spec, "bfloat16", limits) == pytest.approx(10 * 2 * per_token / 4e10)
     assert gemm_fraction(500.0, spec, limits) == pytest.approx(2 * per_token * 500 / 2e11)
+    # One prompt token per output token: every weight but the LM head once more per output token.
+    lm_head = spec.vocab_size * spec.hidden_size
+    assert gemm_fraction(500.0, spec, limits, 1.0) == pytest.approx(2 * (2 * per_token - lm_head) * 500 / 2e11)
     assert tail_ratio(30.0, 10.0) == pytest.approx(3.0)
     assert tail_ratio(30.0, 0.0) is None
