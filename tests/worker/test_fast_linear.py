@@ -1,5 +1,6 @@
 """The small-M linear kernel equals F.linear (fp32 and bf16 weights, with and without bias, every
-row count and odd shapes), and FastLinear uses it only up to the row count calibration chose."""
+row count and odd shapes), and FastLinear uses it only up to the row count calibration chose;
+past it, float32 weights run on a oneDNN-packed copy that follows weight changes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.kernels.build import KernelBuildError, load_kernels
+from services.worker.models import fast_linear
 from services.worker.models.fast_linear import FastLinear, calibrate, store_weights_as
 
 
@@ -64,13 +66,11 @@ def test_calibrate_sets_every_layer_of_a_shape_alike() -> None:
 
 def test_calibration_is_measured_once_then_read_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A second start reads the stored answer instead of measuring; SPINDLE_RECALIBRATE=1 measures again."""
-    from services.worker.models import fast_linear
-
     path = tmp_path / "build" / "linear_calibration.json"
     monkeypatch.setattr(fast_linear, "calibration_path", lambda: path)
     measured: list[tuple[int, ...]] = []
 
-    def fake_measure(weight: torch.Tensor, bias: torch.Tensor | None) -> int:
+    def fake_measure(weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool = False) -> int:
         measured.append(tuple(weight.shape))
         return 8 * len(measured)
 
@@ -89,21 +89,52 @@ def test_calibration_is_measured_once_then_read_back(monkeypatch: pytest.MonkeyP
 
 
 def test_an_unreadable_calibration_file_is_measured_over(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from services.worker.models import fast_linear
-
     path = tmp_path / "linear_calibration.json"
     path.write_text("{not json")
     monkeypatch.setattr(fast_linear, "calibration_path", lambda: path)
-    monkeypatch.setattr(fast_linear, "kernel_max_rows", lambda weight, bias: 4)
-    assert calibrate(torch.nn.Sequential(FastLinear(64, 64))) == {(64, 64, "float32"): 4}
-    assert json.loads(path.read_text()) == {f"64x64 float32 bias threads={torch.get_num_threads()}": 4}
+    monkeypatch.setattr(fast_linear, "kernel_max_rows", lambda weight, bias, onednn=False: 4)
+    model = torch.nn.Sequential(FastLinear(64, 64))
+    assert calibrate(model) == {(64, 64, "float32"): 4}
+    versus = " vs-onednn" if model[0].onednn is not None else ""
+    assert json.loads(path.read_text()) == {f"64x64 float32 bias threads={torch.get_num_threads()}{versus}": 4}
+
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@needs_onednn
+def test_rows_past_the_kernel_run_on_the_onednn_copy_and_follow_weight_changes() -> None:
+    layer = FastLinear(48, 24)
+    assert fast_linear.prepack([layer]) == 48 * 24 * 4 and layer.onednn is not None
+    layer.kernel_max_rows = 2
+    x = torch.randn(5, 48)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        packed = layer.onednn.packed
+        with torch.no_grad():
+            layer.weight.mul_(-2.0)  # the copy must follow (packed again), never serve the old weight
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        assert layer.onednn.packed is not packed
+
+
+@needs_onednn
+def test_prepack_skips_when_disabled_short_of_memory_or_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(fast_linear.DISABLE_ONEDNN_ENV, "1")
+    layer = FastLinear(48, 24)
+    assert fast_linear.prepack([layer]) == 0 and layer.onednn is None
+    monkeypatch.delenv(fast_linear.DISABLE_ONEDNN_ENV)
+    monkeypatch.setattr(fast_linear, "_available_memory", lambda: 8 * 1024)  # a copy would take over half
+    assert fast_linear.prepack([layer]) == 0 and layer.onednn is None
+    monkeypatch.setattr(fast_linear, "_available_memory", lambda: None)  # unknown: pack
+    bf16 = FastLinear(48, 24)
+    store_weights_as(bf16, torch.bfloat16)
+    assert fast_linear.prepack([layer, bf16]) == 48 * 24 * 4
+    assert layer.onednn is not None and bf16.onednn is None, "bf16 weights keep their own path"
 
 
 @pytest.mark.parametrize("slice_bytes", [1 << 30, 64 * 4 * 7])
 def test_blas_path_widens_bf16_weights_in_slices(monkeypatch: pytest.MonkeyPatch, slice_bytes: int) -> None:
     """Past the kernel's rows, bf16 weights reach the BLAS widened (whole, or 7 features at a time)."""
-    from services.worker.models import fast_linear
-
     monkeypatch.setattr(fast_linear, "_WIDEN_SLICE_BYTES", slice_bytes)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(2, 5, 64, generator=gen)

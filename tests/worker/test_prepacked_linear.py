@@ -24,7 +24,7 @@ def test_matches_f_linear_at_any_row_count(shape: tuple[int, ...]) -> None:
     x = torch.randn(*shape)
     with torch.inference_mode():
         out = layer(x)
-    assert layer._packed is not None  # the oneDNN path ran
+    assert layer.onednn.packed is not None  # the oneDNN path ran
     torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
 
 
@@ -45,7 +45,7 @@ def test_other_dtypes_keep_f_linear() -> None:
     x = torch.randn(4, 48, dtype=torch.bfloat16)
     with torch.inference_mode():
         out = layer(x)
-    assert layer._packed is None
+    assert layer.onednn.packed is None
     torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias))
 
 

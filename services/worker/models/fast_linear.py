@@ -10,6 +10,13 @@ counts and sets, per layer, the largest row count up to which the kernel won eve
 thread count: the answer is kept on disk (calibration_cache.py). Same parameter names as
 `nn.Linear`, so checkpoints load unchanged.
 
+Past the kernel's rows, float32 weights run through oneDNN on a copy packed once at load
+(prepacked_linear.OneDnnWeight) rather than torch's `F.linear`: at the medium model's shapes
+and 16-192 rows it measured 74-160 GFLOP/s against MKL's 42-128 and the kernel's 62-115 (2-core
+AMD EPYC; MKL re-reads the plain [out, in] weight per panel). The copy doubles the linear
+weights' memory, so it is made only while they take at most half of the memory available
+(`SPINDLE_DISABLE_ONEDNN_LINEAR=1`: never); the calibration then times the kernel against it.
+
 Weights may be stored in bfloat16 under float32 activations (`--weight-dtype bfloat16`,
 `store_weights_as`): a single stream then reads half the bytes. The kernel widens bf16 in
 registers; past its row count the BLAS gets float32 weights widened a slice at a time, because
@@ -29,11 +36,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.models import calibration_cache
+from services.worker.models.prepacked_linear import OneDnnWeight
 
 logger = logging.getLogger(__name__)
 
 PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-DISABLE_ENV = "SPINDLE_DISABLE_LINEAR_KERNEL"  # 1: torch's GEMM only (for side-by-side benchmarks)
+DISABLE_ENV = "SPINDLE_DISABLE_LINEAR_KERNEL"  # 1: no kernel, the GEMM at every row count (side-by-side runs)
+DISABLE_ONEDNN_ENV = "SPINDLE_DISABLE_ONEDNN_LINEAR"  # 1: past the kernel's rows, F.linear on the plain weight
+ONEDNN_MAX_MEMORY_SHARE = 0.5  # packed copies may take at most this share of MemAvailable
 _REPEATS = 3
 _SAMPLE_S = 1e-3  # calls per timing sample: enough to fill this many seconds
 _COLD_BYTES = 64 << 20  # probes cycle through copies of a weight this large in all: past the caches
@@ -44,13 +54,16 @@ _WIDEN_SLICE_BYTES = 4 << 20  # float32 weights widened per BLAS call: bounded f
 class FastLinear(nn.Linear):
     """nn.Linear; inputs of at most `kernel_max_rows` rows use the small-M kernel."""
 
-    kernel_max_rows: int = 0  # set per layer by `calibrate`; 0: always F.linear
+    kernel_max_rows: int = 0  # set per layer by `calibrate`; 0: always the GEMM
+    onednn: OneDnnWeight | None = None  # set by `calibrate` where the GEMM runs on a oneDNN-packed copy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.numel() else 0
         if 0 < rows <= self.kernel_max_rows and x.dtype == torch.float32:
             y = torch.ops.spindle.linear_small_m(x.reshape(rows, x.shape[-1]), self.weight, self.bias)
             return y.view(*x.shape[:-1], self.out_features)
+        if self.onednn is not None:
+            return self.onednn.linear(x, self.weight, self.bias)
         return blas_linear(x, self.weight, self.bias)
 
 
@@ -104,19 +117,56 @@ def _best_times(fns: tuple[Callable[[int], object], ...], copies: int) -> list[f
     return best
 
 
-def kernel_max_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> int:
-    """The largest probe row count up to which the kernel beat F.linear at every probe."""
+def kernel_max_rows(weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool = False) -> int:
+    """The largest probe row count up to which the kernel beat the GEMM (oneDNN's where `onednn`) at every probe."""
     weight_bytes = weight.numel() * weight.element_size()
     weights = [weight] + [weight.clone() for _ in range(min(_MAX_COPIES, -(-_COLD_BYTES // weight_bytes)) - 1)]
+    packs = [OneDnnWeight() for _ in weights] if onednn else []
+
+    def gemm(c: int, x: torch.Tensor) -> torch.Tensor:
+        return packs[c].linear(x, weights[c], bias) if packs else blas_linear(x, weights[c], bias)
+
     best = 0
     for rows in PROBE_ROWS:
         x = torch.randn(rows, weight.shape[1], dtype=torch.float32)
-        kernel, blas = _best_times((lambda c, x=x: torch.ops.spindle.linear_small_m(x, weights[c], bias),
-                                    lambda c, x=x: blas_linear(x, weights[c], bias)), len(weights))
-        if kernel >= blas:
+        kernel, other = _best_times((lambda c, x=x: torch.ops.spindle.linear_small_m(x, weights[c], bias),
+                                     lambda c, x=x: gemm(c, x)), len(weights))
+        if kernel >= other:
             break
         best = rows
     return best
+
+
+def _available_memory() -> int | None:
+    """MemAvailable in bytes (Linux), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def prepack(layers: list[FastLinear]) -> int:
+    """Give the float32 layers a oneDNN-packed copy for the GEMM (see the module docstring); returns bytes packed."""
+    fp32 = [m for m in layers if m.weight.dtype == torch.float32]
+    total = sum(m.weight.numel() * m.weight.element_size() for m in fp32)
+    if not fp32 or os.environ.get(DISABLE_ONEDNN_ENV) == "1" or not torch.backends.mkldnn.is_available():
+        return 0
+    available = _available_memory()
+    if available is not None and total > ONEDNN_MAX_MEMORY_SHARE * available:
+        logger.info("linear layers keep torch's GEMM: packed copies would take %.0f MB of %.0f MB available",
+                    total / 2**20, available / 2**20)
+        return 0
+    packed = 0
+    for layer in fp32:
+        onednn = OneDnnWeight()
+        if onednn.get(layer.weight, layer.bias) is not None:
+            layer.onednn = onednn
+            packed += layer.weight.numel() * layer.weight.element_size()
+    return packed
 
 
 def calibration_path() -> Path:
@@ -132,12 +182,14 @@ def calibrate(model: nn.Module) -> dict[tuple[int, int, str], int]:
 
     Layers of one shape share one measurement, and a shape measured before on this kernel
     build with this many threads is read back (calibration_cache.py). Without the kernels
-    (not built, or disabled) everything stays on F.linear.
+    (not built, or disabled) everything stays on the GEMM (oneDNN's where `prepack` packed).
     """
     from services.worker.kernels.build import KernelBuildError, load_kernels
 
     layers = [m for m in model.modules() if isinstance(m, FastLinear)
               and m.weight.device.type == "cpu" and m.weight.dtype in (torch.float32, torch.bfloat16)]
+    if (packed := prepack(layers)):
+        logger.info("linear GEMMs run on oneDNN-packed copies (%.0f MB)", packed / 2**20)
     if not layers or os.environ.get(DISABLE_ENV) == "1":
         return {}
     try:
@@ -153,10 +205,11 @@ def calibrate(model: nn.Module) -> dict[tuple[int, int, str], int]:
     for layer in layers:
         shape = (layer.out_features, layer.in_features, str(layer.weight.dtype).removeprefix("torch."))
         if shape not in by_shape:
-            key = calibration_cache.entry_key(*shape, layer.bias is not None, torch.get_num_threads())
+            onednn = layer.onednn is not None
+            key = calibration_cache.entry_key(*shape, layer.bias is not None, torch.get_num_threads(), onednn)
             rows = stored.get(key)
             if rows is None:
-                rows = measured[key] = kernel_max_rows(layer.weight, layer.bias)
+                rows = measured[key] = kernel_max_rows(layer.weight, layer.bias, onednn)
             by_shape[shape] = rows
         layer.kernel_max_rows = by_shape[shape]
     calibration_cache.store(path, measured)

@@ -26,12 +26,12 @@ logger = logging.getLogger(__name__)
 PACK_ROWS_HINT = 2048  # rows oneDNN tunes the layout for (the default round budget); any row count runs
 
 
-def _reorder(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+def _reorder(weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int) -> torch.Tensor | None:
     """The oneDNN-packed weight, or None (with the reason logged) where it cannot stand in for F.linear."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
         return None
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
         probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
         ok = torch.allclose(_packed_linear(probe, packed, bias), F.linear(probe, weight, bias), rtol=1e-4, atol=1e-4)
     except (AttributeError, RuntimeError) as exc:  # an op missing or refusing this build
@@ -47,25 +47,39 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+class OneDnnWeight:
+    """A weight's oneDNN-packed copy, packed again whenever the weight changes (storage or version)."""
+
+    def __init__(self, rows_hint: int = PACK_ROWS_HINT) -> None:
+        self.rows_hint = rows_hint
+        self.packed: torch.Tensor | None = None
+        self._packed_for: tuple[int, int] | None = None  # (data_ptr, version) of the weight packed
+
+    def get(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """The packed copy of `weight` as it is now; None where oneDNN cannot stand in for F.linear."""
+        # Inference tensors (made under inference_mode) keep no version counter: their storage decides.
+        key = (weight.data_ptr(), -1 if weight.is_inference() else weight._version)
+        if key != self._packed_for:
+            with torch.no_grad():
+                self.packed = _reorder(weight, bias, self.rows_hint)
+            self._packed_for = key
+        return self.packed
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """F.linear(x, weight, bias), through oneDNN where the weight packs and x is CPU float32."""
+        packed = self.get(weight, bias)
+        if packed is None or x.dtype != torch.float32 or x.device.type != "cpu":
+            return F.linear(x, weight, bias)
+        rows = x.reshape(-1, x.shape[-1])
+        return _packed_linear(rows, packed, bias).view(*x.shape[:-1], weight.shape[0])
+
+
 class PrepackedLinear(nn.Linear):
     """nn.Linear; CPU float32 inputs run through oneDNN on a weight reordered once."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self._packed: torch.Tensor | None = None
-        self._packed_for: tuple[int, int] | None = None  # (data_ptr, version) of the weight packed
+        self.onednn = OneDnnWeight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self._packed_weight()
-        if packed is None or x.dtype != torch.float32 or x.device.type != "cpu":
-            return F.linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, self.in_features)
-        return _packed_linear(rows, packed, self.bias).view(*x.shape[:-1], self.out_features)
-
-    def _packed_weight(self) -> torch.Tensor | None:
-        key = (self.weight.data_ptr(), self.weight._version)
-        if key != self._packed_for:
-            with torch.no_grad():
-                self._packed = _reorder(self.weight, self.bias)
-            self._packed_for = key
-        return self._packed
+        return self.onednn.linear(x, self.weight, self.bias)
