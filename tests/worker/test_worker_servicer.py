@@ -169,3 +169,35 @@ async def test_second_concurrent_stream_is_rejected(stub: worker_pb2_grpc.Worker
     release.set()
     async with asyncio.timeout(10):
         assert await first.read() == grpc.aio.EOF
+
+
+async def test_the_model_loads_on_the_thread_that_runs_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One OpenMP team per process: loading on another thread than the rounds' made every
+    parallel op of every step wait for a sleeping thread (round_pipeline.py)."""
+    import threading
+
+    from services.worker import __main__ as worker_main
+
+    threads: dict[str, int] = {}
+
+    class FakeWorker:
+        def __init__(self, config: WorkerConfig) -> None:
+            threads["load"] = threading.get_ident()
+            self.runner, self.info = object(), None
+
+    pipelines: list[object] = []
+
+    class SpyPipeline(worker_main.RoundPipeline):
+        def __init__(self, *args: object) -> None:
+            super().__init__(*args)  # type: ignore[arg-type]
+            pipelines.append(self)
+
+    async def run_a_round_then_stop(service: object) -> None:
+        (pipeline,) = pipelines
+        threads["round"] = await asyncio.get_running_loop().run_in_executor(pipeline.executor, threading.get_ident)
+
+    monkeypatch.setattr(worker_main, "Worker", FakeWorker)
+    monkeypatch.setattr(worker_main, "RoundPipeline", SpyPipeline)
+    monkeypatch.setattr(worker_main, "wait_for_shutdown", run_a_round_then_stop)
+    await worker_main.serve(WorkerConfig(model="/m", listen="127.0.0.1:0"))
+    assert threads["load"] == threads["round"] != threading.get_ident()
