@@ -63,14 +63,16 @@ def assert_matches_oracle(model_dir: Path, jobs: list[tuple[list[int], int]], re
 def test_preemption_keeps_greedy_output(tiny_models: dict[str, Path]) -> None:
     model_dir = tiny_models["llama"]
     # Every request grows to 70-100 tokens (5-7 blocks) from a prompt of at most 4 blocks, so any
-    # two admitted together outgrow the pool: preemption does not depend on arrival timing (with
-    # 3..60-token prompts and 1..40 outputs, a slow CI machine once ran all 32 without any).
+    # two admitted together outgrow a 9-block pool: preemption does not depend on arrival timing
+    # (with 3..60-token prompts and 1..40 outputs, a slow CI machine once ran all 32 without any;
+    # with 12 blocks two requests of 5-6 blocks fit side by side, and a faster worker that
+    # admitted them two at a time ran all 32 without any, once in three runs).
     jobs = jobs_for(11, min_prompt=40, min_out=30)
-    with spindle_services(model_dir, worker_args=("--kv-cache-bytes", str(12 * BLOCK_BYTES))) as svc:
+    with spindle_services(model_dir, worker_args=("--kv-cache-bytes", str(9 * BLOCK_BYTES))) as svc:
         results = asyncio.run(generate_all(svc.server.grpc_address, svc.server.model_name, jobs))
         stats = scheduler_stats(svc.scheduler_address)
-    # 12 blocks hold at most 192 tokens: the largest request (100 tokens + 7 lookahead) fits,
-    # but a handful of concurrent ones cannot grow without evicting each other.
+    # 9 blocks hold 144 tokens: the largest request (100 tokens + 7 lookahead, 7 blocks) fits
+    # alone, but no two can grow to their ends side by side without evicting each other.
     assert stats.num_preemptions > 0, "the pool was meant to be too small to run everything at once"
     assert_matches_oracle(model_dir, jobs, results)
 
