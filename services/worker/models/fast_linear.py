@@ -13,9 +13,10 @@ thread count: the answer is kept on disk (calibration_cache.py). Same parameter 
 Past the kernel's rows, float32 weights run through oneDNN on a copy packed once at load
 (prepacked_linear.OneDnnWeight) rather than torch's `F.linear`: at the medium model's shapes
 and 16-192 rows it measured 74-160 GFLOP/s against MKL's 42-128 and the kernel's 62-115 (2-core
-AMD EPYC, `benchmarks.run --models medium --concurrency 64` 181 -> 212-224 tok/s). The copy doubles the linear
-weights' memory, so it is made only while they take at most half of the memory available
-(`SPINDLE_DISABLE_ONEDNN_LINEAR=1`: never); the calibration then times the kernel against it.
+AMD EPYC; `benchmarks.run --models medium --concurrency 64`: 181 -> 212-224 tok/s). The copy
+doubles the linear weights' memory, so it is made only while they take at most half of the
+memory available (`SPINDLE_DISABLE_ONEDNN_LINEAR=1`: never); the calibration then times the
+kernel against it.
 
 Weights may be stored in bfloat16 under float32 activations (`--weight-dtype bfloat16`,
 `store_weights_as`): a single stream then reads half the bytes. The kernel widens bf16 in

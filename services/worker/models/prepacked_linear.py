@@ -26,12 +26,12 @@ logger = logging.getLogger(__name__)
 PACK_ROWS_HINT = 2048  # rows oneDNN tunes the layout for (the default round budget); any row count runs
 
 
-def _reorder(weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int) -> torch.Tensor | None:
+def _reorder(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """The oneDNN-packed weight, or None (with the reason logged) where it cannot stand in for F.linear."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
         return None
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
         probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
         ok = torch.allclose(_packed_linear(probe, packed, bias), F.linear(probe, weight, bias), rtol=1e-4, atol=1e-4)
     except (AttributeError, RuntimeError) as exc:  # an op missing or refusing this build
@@ -50,8 +50,7 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 class OneDnnWeight:
     """A weight's oneDNN-packed copy, packed again whenever the weight changes (storage or version)."""
 
-    def __init__(self, rows_hint: int = PACK_ROWS_HINT) -> None:
-        self.rows_hint = rows_hint
+    def __init__(self) -> None:
         self.packed: torch.Tensor | None = None
         self._packed_for: tuple[int, int] | None = None  # (data_ptr, version) of the weight packed
 
@@ -61,7 +60,7 @@ class OneDnnWeight:
         key = (weight.data_ptr(), -1 if weight.is_inference() else weight._version)
         if key != self._packed_for:
             with torch.no_grad():
-                self.packed = _reorder(weight, bias, self.rows_hint)
+                self.packed = _reorder(weight, bias)
             self._packed_for = key
         return self.packed
 
