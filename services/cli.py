@@ -36,8 +36,8 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="public gRPC port")
     parser.add_argument("--workers", type=int, default=1, help="number of worker processes (data parallel)")
     parser.add_argument("--served-model-name", default=None, help="model id clients use (default: dir name)")
-    parser.add_argument("--host-services-nice", type=int,
-                        default=int(os.environ.get("SPINDLE_HOST_SERVICES_NICE", "0")),
+    parser.add_argument("--host-services-nice", type=int,  # argparse converts (and rejects) the env's string too
+                        default=os.environ.get("SPINDLE_HOST_SERVICES_NICE", "0"),
                         help="niceness of frontend and scheduler (0: as the worker; README says why "
                              "that is the default) [SPINDLE_HOST_SERVICES_NICE]")
     parser.add_argument("--cpu-affinity", default=os.environ.get("SPINDLE_CPU_AFFINITY", "auto"),
