@@ -37,15 +37,15 @@ def _reference(q, k, v, first_pos, window, softcap, scale):
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
 
 
-def _case(seed, heads, kv_heads, head_dim, block_size, dtype):
+def _case(seed, heads, kv_heads, head_dim, block_size, dtype, rows=ROWS):
     gen = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-n // block_size) for n, _ in ROWS) + 5
+    num_blocks = sum(-(-n // block_size) for n, _ in rows) + 5
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
-    max_blocks = max(-(-n // block_size) for n, _ in ROWS)
-    tables = torch.zeros(len(ROWS), max_blocks + 2, dtype=torch.int64)  # wider than needed, as in a round
+    max_blocks = max(-(-n // block_size) for n, _ in rows)
+    tables = torch.zeros(len(rows), max_blocks + 2, dtype=torch.int64)  # wider than needed, as in a round
     full_k, full_v, slots = [], [], []
-    for r, (n, q_len) in enumerate(ROWS):
+    for r, (n, q_len) in enumerate(rows):
         nb = -(-n // block_size)
         tables[r, :nb] = torch.tensor([perm.pop() for _ in range(nb)])
         full_k.append(torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype))
@@ -57,14 +57,14 @@ def _case(seed, heads, kv_heads, head_dim, block_size, dtype):
                 cache[1].view(-1, kv_heads, head_dim)[slot] = full_v[r][pos]
             else:
                 slots.append(slot)
-    q_lens = np.array([q for _, q in ROWS])
-    seq_lens = np.array([n for n, _ in ROWS])
+    q_lens = np.array([q for _, q in rows])
+    seq_lens = np.array([n for n, _ in rows])
     query = torch.randn(int(q_lens.sum()), heads, head_dim, generator=gen).to(dtype)
-    key = torch.cat([full_k[r][n - q :] for r, (n, q) in enumerate(ROWS)])
-    value = torch.cat([full_v[r][n - q :] for r, (n, q) in enumerate(ROWS)])
+    key = torch.cat([full_k[r][n - q :] for r, (n, q) in enumerate(rows)])
+    value = torch.cat([full_v[r][n - q :] for r, (n, q) in enumerate(rows)])
     common = CommonAttentionMetadata(
         attn_type=AttentionType.DECODER,
-        num_reqs=len(ROWS),
+        num_reqs=len(rows),
         num_tokens=len(query),
         max_query_len=int(q_lens.max()),
         max_seq_len=int(seq_lens.max()),
@@ -84,7 +84,23 @@ def _case(seed, heads, kv_heads, head_dim, block_size, dtype):
     [(8, 2, 64, 16, None, None), (4, 4, 32, 4, 7, None), (6, 1, 16, 8, 20, 5.0), (16, 4, 128, 16, 1, None)],
 )
 def test_kernel_matches_dense_reference(dtype, heads, kv_heads, head_dim, block_size, window, softcap) -> None:
-    cache, common, query, key, value, full_k, full_v = _case(0, heads, kv_heads, head_dim, block_size, dtype)
+    _check_against_reference(dtype, heads, kv_heads, head_dim, block_size, window, softcap, ROWS)
+
+
+@pytest.mark.parametrize(("rows", "threads"), [(ROWS, 1), (ROWS[5:7], 2)])
+def test_items_over_all_kv_heads_and_one_kv_head_each(rows, threads) -> None:
+    """With 4+ items per thread an item spans every KV head (blocks read front to back); with fewer,
+    each KV head is a piece of work of its own, so one long row still spreads over the threads."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_against_reference(torch.float32, 8, 4, 32, 8, None, None, rows)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _check_against_reference(dtype, heads, kv_heads, head_dim, block_size, window, softcap, rows) -> None:
+    cache, common, query, key, value, full_k, full_v = _case(0, heads, kv_heads, head_dim, block_size, dtype, rows)
     backend = create(block_size)
     spec = LayerAttentionSpec(heads, kv_heads, head_dim, head_dim**-0.5, window)
     if softcap:
@@ -92,7 +108,7 @@ def test_kernel_matches_dense_reference(dtype, heads, kv_heads, head_dim, block_
     out = backend.forward(spec, query, key, value, cache, backend.metadata_builder().build(common, []))
     assert out.dtype == dtype and out.shape == query.shape
     starts = common.query_start_loc.tolist()
-    for r, (n, q_len) in enumerate(ROWS):
+    for r, (n, q_len) in enumerate(rows):
         expected = _reference(query[starts[r] : starts[r + 1]], full_k[r], full_v[r], n - q_len, window, softcap,
                               spec.scale)
         tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding

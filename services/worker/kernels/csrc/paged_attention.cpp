@@ -11,11 +11,18 @@
 // ([num_tokens, heads, head_dim]); row r owns tokens query_start_loc[r] ..
 // query_start_loc[r + 1], the last query_len tokens of its seq_lens[r]-token sequence.
 //
-// Work is split into items (row, query tile) chosen by the Python side (largest first) times
-// the KV heads; threads take the next item from one atomic counter, so one long row never
-// leaves the other thread idle. Each item keeps, per query vector (token x query head of the
-// KV head's GQA group), a flash-style online softmax in fp32: running max, running sum and an
-// fp32 accumulator, rescaled once per block.
+// Work is split into items (row, query tile) chosen by the Python side (largest first); with
+// at least 4 items per thread each covers every KV head, walking a block's heads in turn while
+// the next block is prefetched (a row's blocks lie anywhere in the pool), else each KV head of
+// an item is a piece of work of its own. Threads take the next piece from one atomic counter,
+// so one long row never leaves the other thread idle. Each piece keeps, per query vector (token
+// x query head), a flash-style online softmax in fp32: running max, running sum and an fp32
+// accumulator, rescaled once per block.
+//
+// Measured (2-core AMD EPYC, AVX2; medium shapes, 16 / 4 heads of 64, one decode token per
+// row, direct calls of the op, interleaved runs) against one KV head per item, no prefetch and
+// a scalar softmax: 64 rows x 256 tokens 3.7-5.6 -> 2.4-2.8 ms, 64 x 1,024 15-18 -> 12-13 ms,
+// prefill of 1 x 512 tokens 12-14 -> 7.7-8.5 ms.
 //
 // Rotary embedding (optional: positions, cos and sin given): queries are rotated as they are
 // loaded into the item's fp32 buffer and keys as they are written to the cache, so the decoder
@@ -24,8 +31,9 @@
 //
 // Build: compiled on the machine that runs it (-O3 -march=native, see kernels/build.py), so
 // the loops below are written for the compiler's vectoriser: fixed-stride inner loops over
-// head_dim or block_size under `omp simd`, no -inf masking (key ranges are clipped instead),
-// and an exp the compiler can vectorise.
+// head_dim or block_size under `omp simd`, no -inf masking (key ranges are clipped instead);
+// where the compiler would not vectorise (the softmax's exp, 8 keys' dot products), AVX2
+// intrinsics, with the portable loop kept for other CPUs.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -88,6 +96,37 @@ inline float exp_nonpositive(float x) {
 }
 
 #ifdef __AVX2__
+// exp_nonpositive on 8 lanes: the same range reduction and polynomial, so both paths agree.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// The largest of a vector's 8 lanes.
+inline float max_lane(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// The sum of a vector's 8 lanes.
+inline float sum_lanes(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+#endif
+
+#ifdef __AVX2__
 // [sum(v[0]), sum(v[1]), ..., sum(v[7])]: eight horizontal sums in one transposing add tree.
 inline __m256 sum_each(const __m256 v[8]) {
   const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -96,6 +135,16 @@ inline __m256 sum_each(const __m256 v[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 #endif
+
+// Asks for the cache line at p. Not __builtin_prefetch: GCC 12 deletes a loop whose body is only
+// that builtin (measured: no prefetch instruction left in the binary at -O1 and above).
+inline void prefetch_line(const void* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p);
+#endif
+}
 
 struct Shape {
   int64_t num_heads, num_kv_heads, head_dim, block_size, num_blocks;
@@ -126,11 +175,15 @@ class ItemKernel {
       : s_(s), rope_(rope), query_(query), out_(out), cache_(cache), block_tables_(block_tables),
         seq_lens_(seq_lens), query_start_loc_(query_start_loc) {}
 
-  void run(int64_t row, int64_t q_begin, int64_t q_end, int64_t kv_head) {
+  // Query tokens [q_begin, q_end) of `row` against KV heads [kh_begin, kh_end). Blocks are the
+  // outer loop, KV heads the inner one, so an item over all KV heads reads each block of the
+  // cache front to back (one token's heads lie side by side).
+  void run(int64_t row, int64_t q_begin, int64_t q_end, int64_t kh_begin, int64_t kh_end) {
     const int64_t D = s_.head_dim, BS = s_.block_size, G = s_.num_heads / s_.num_kv_heads;
     const int64_t query_len = query_start_loc_[row + 1] - query_start_loc_[row];
     const int64_t first_pos = seq_lens_[row] - query_len;  // position of the row's first query
-    const int64_t nq = q_end - q_begin, nv = nq * G;         // query vectors in this item
+    const int64_t heads = (kh_end - kh_begin) * G;            // query heads per token in this item
+    const int64_t nq = q_end - q_begin, nv = nq * heads;     // query vectors: [nq][heads]
     q_.resize(nv * D);
     acc_.assign(nv * D, 0.0f);
     max_.assign(nv, -INFINITY);
@@ -140,44 +193,48 @@ class ItemKernel {
     scores_.resize(kHeadTile * BS);
     for (int64_t i = 0; i < nq; ++i) {  // queries in fp32, rotated where asked, pre-scaled
       const int64_t token = query_start_loc_[row] + q_begin + i;
-      const q_t* src = query_ + token * s_.q_stride + kv_head * G * D;
-      float* dst = q_.data() + i * G * D;
+      const q_t* src = query_ + token * s_.q_stride + kh_begin * G * D;
+      float* dst = q_.data() + i * heads * D;
       if constexpr (std::is_same_v<q_t, float>) {
         if (rope_.cos != nullptr) {
-          for (int64_t h = 0; h < G; ++h)
+          for (int64_t h = 0; h < heads; ++h)
             rope_row(src + h * D, rope_.cos_row(token), rope_.sin_row(token), dst + h * D, rope_.rotary_dim, D,
                      s_.scale);
           continue;
         }
       }
 #pragma omp simd
-      for (int64_t e = 0; e < G * D; ++e) dst[e] = to_float(src[e]) * s_.scale;
+      for (int64_t e = 0; e < heads * D; ++e) dst[e] = to_float(src[e]) * s_.scale;
     }
     const int64_t last_pos = first_pos + q_end - 1;
     const int64_t lo = key_lo(first_pos + q_begin), hi = last_pos + 1;  // keys any query here sees
     const int64_t* table = block_tables_ + row * s_.bt_stride;
     for (int64_t b = lo / BS; b * BS < hi; ++b) {
-      const Block block = load_block(table[b], kv_head);
       const int64_t j0 = b * BS;
-      for (int64_t i = 0; i < nq; ++i) {
-        const int64_t pos = first_pos + q_begin + i;
-        const int64_t a = std::max(key_lo(pos), j0) - j0, e = std::min(pos + 1, j0 + BS) - j0;
-        if (a >= e) continue;  // this block is outside query i's window or in its future
-        for (int64_t h = 0; h < G; h += kHeadTile) {  // query heads of the group, up to 4 at once
-          switch (std::min<int64_t>(kHeadTile, G - h)) {
-            case 4: accumulate<4>(i * G + h, a, e, block); break;
-            case 3: accumulate<3>(i * G + h, a, e, block); break;
-            case 2: accumulate<2>(i * G + h, a, e, block); break;
-            default: accumulate<1>(i * G + h, a, e, block); break;
+      for (int64_t kh = kh_begin; kh < kh_end; ++kh) {
+        if ((b + 1) * BS < hi) prefetch_block(table[b + 1], kh);
+        const Block block = load_block(table[b], kh);
+        for (int64_t i = 0; i < nq; ++i) {
+          const int64_t pos = first_pos + q_begin + i;
+          const int64_t a = std::max(key_lo(pos), j0) - j0, e = std::min(pos + 1, j0 + BS) - j0;
+          if (a >= e) continue;  // this block is outside query i's window or in its future
+          const int64_t qv = i * heads + (kh - kh_begin) * G;
+          for (int64_t h = 0; h < G; h += kHeadTile) {  // query heads of the group, up to 4 at once
+            switch (std::min<int64_t>(kHeadTile, G - h)) {
+              case 4: accumulate<4>(qv + h, a, e, block); break;
+              case 3: accumulate<3>(qv + h, a, e, block); break;
+              case 2: accumulate<2>(qv + h, a, e, block); break;
+              default: accumulate<1>(qv + h, a, e, block); break;
+            }
           }
         }
       }
     }
     for (int64_t i = 0; i < nq; ++i) {
-      q_t* dst = out_ + (query_start_loc_[row] + q_begin + i) * s_.out_stride + kv_head * G * D;
-      for (int64_t h = 0; h < G; ++h) {
-        const float inv = 1.0f / sum_[i * G + h];  // >= 1 key (the query's own) is always seen
-        const float* a = acc_.data() + (i * G + h) * D;
+      q_t* dst = out_ + (query_start_loc_[row] + q_begin + i) * s_.out_stride + kh_begin * G * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float inv = 1.0f / sum_[i * heads + h];  // >= 1 key (the query's own) is always seen
+        const float* a = acc_.data() + (i * heads + h) * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) dst[h * D + d] = from_float<q_t>(a[d] * inv);
       }
@@ -193,6 +250,21 @@ class ItemKernel {
   };
 
   int64_t key_lo(int64_t pos) const { return s_.window > 0 ? std::max<int64_t>(0, pos - s_.window + 1) : 0; }
+
+  // Asks for the next block's keys and values of this KV head while this one is computed: the
+  // blocks of a row lie anywhere in the pool, so no hardware prefetcher can guess the next one.
+  void prefetch_block(int64_t block, int64_t kv_head) const {
+    const int64_t BS = s_.block_size, tok = s_.num_kv_heads * s_.head_dim;
+    const char* k = reinterpret_cast<const char*>(cache_ + block * BS * tok + kv_head * s_.head_dim);
+    const int64_t values = s_.num_blocks * BS * tok * static_cast<int64_t>(sizeof(kv_t));
+    const int64_t row_bytes = s_.head_dim * static_cast<int64_t>(sizeof(kv_t)), stride = tok * sizeof(kv_t);
+    for (int64_t j = 0; j < BS; ++j) {
+      for (int64_t at = 0; at < row_bytes; at += 64) {
+        prefetch_line(k + j * stride + at);
+        prefetch_line(k + values + j * stride + at);
+      }
+    }
+  }
 
   // An fp32 cache is read where it lies; other dtypes are converted once per block into an
   // L1-resident buffer that every query vector of the item then reuses.
@@ -308,12 +380,30 @@ class ItemKernel {
       for (int64_t j = a; j < e; ++j) s[j] = s_.softcap * std::tanh(s[j] / s_.softcap);
     }
     float block_max = s[a];
-    for (int64_t j = a + 1; j < e; ++j) block_max = std::max(block_max, s[j]);
+    int64_t j = a;
+#ifdef __AVX2__
+    if (e - a >= 8) {  // the compiler leaves the exp below scalar: 8 lanes by hand
+      __m256 m = _mm256_loadu_ps(s + a);
+      for (j = a + 8; j + 8 <= e; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
+      block_max = max_lane(m);
+    }
+#endif
+    for (; j < e; ++j) block_max = std::max(block_max, s[j]);
     const float new_max = std::max(max_[qv], block_max);
     const float alpha = exp_nonpositive(max_[qv] - new_max);
     float block_sum = 0.0f;
-#pragma omp simd reduction(+ : block_sum)
-    for (int64_t j = a; j < e; ++j) {
+    j = a;
+#ifdef __AVX2__
+    __m256 sums = _mm256_setzero_ps();
+    const __m256 shift = _mm256_set1_ps(new_max);
+    for (; j + 8 <= e; j += 8) {
+      const __m256 w = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift));
+      _mm256_storeu_ps(s + j, w);
+      sums = _mm256_add_ps(sums, w);
+    }
+    block_sum = sum_lanes(sums);
+#endif
+    for (; j < e; ++j) {
       s[j] = exp_nonpositive(s[j] - new_max);
       block_sum += s[j];
     }
@@ -365,6 +455,10 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, kv_t* cache, const
   });
 }
 
+// Work items per thread from which an item covers all KV heads: the items are ordered largest
+// first, so with several per thread the last ones (the smallest) even out the threads' finish.
+constexpr int64_t kItemsPerThread = 4;
+
 template <typename q_t, typename kv_t>
 void run_typed(const Shape& s, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                const at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
@@ -374,17 +468,22 @@ void run_typed(const Shape& s, const at::Tensor& query, const at::Tensor& key, c
   if (slot_mapping.numel() > 0) {
     write_kv<q_t, kv_t>(key, value, cache, slot_mapping.data_ptr<int64_t>(), s.num_blocks, s.block_size, rope);
   }
-  const int64_t num_items = work_items.size(0), total = num_items * s.num_kv_heads;
+  // With items enough to keep every thread busy, each takes all KV heads (whole blocks, read in
+  // order); with few (one long row), each KV head is its own piece of work so threads share it.
+  const int64_t num_items = work_items.size(0), threads = at::get_num_threads();
+  const int64_t splits = num_items >= kItemsPerThread * threads ? 1 : s.num_kv_heads;
+  const int64_t heads_per_split = s.num_kv_heads / splits, total = num_items * splits;
   const int64_t* items = work_items.data_ptr<int64_t>();
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, total));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     ItemKernel<q_t, kv_t> kernel(s, rope, query.data_ptr<q_t>(), out.data_ptr<q_t>(), cache,
                                  block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
                                  query_start_loc.data_ptr<int64_t>());
     for (int64_t w = next.fetch_add(1); w < total; w = next.fetch_add(1)) {
-      const int64_t* item = items + (w / s.num_kv_heads) * 3;
-      kernel.run(item[0], item[1], item[2], w % s.num_kv_heads);
+      const int64_t* item = items + (w / splits) * 3;
+      const int64_t kh = (w % splits) * heads_per_split;
+      kernel.run(item[0], item[1], item[2], kh, kh + heads_per_split);
     }
   });
 }
