@@ -118,18 +118,34 @@ def test_rows_past_the_kernel_run_on_the_onednn_copy_and_follow_weight_changes()
 
 
 @needs_onednn
-def test_prepack_skips_when_disabled_short_of_memory_or_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bf16_weights_past_the_kernel_run_on_a_float32_onednn_copy() -> None:
+    """Batched steps of a --weight-dtype bfloat16 model: the widened weight, packed once, not a slice per call."""
+    layer = FastLinear(48, 24)
+    store_weights_as(layer, torch.bfloat16)
+    assert fast_linear.prepack([layer]) == 48 * 24 * 4 and layer.onednn is not None
+    assert layer.onednn.packed is not None and layer.weight.dtype == torch.bfloat16  # the weight itself stays narrow
+    layer.kernel_max_rows = 2
+    x = torch.randn(7, 48)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight.float(), layer.bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_prepack_skips_when_disabled_or_short_of_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(fast_linear.DISABLE_ONEDNN_ENV, "1")
     layer = FastLinear(48, 24)
     assert fast_linear.prepack([layer]) == 0 and layer.onednn is None
     monkeypatch.delenv(fast_linear.DISABLE_ONEDNN_ENV)
     monkeypatch.setattr(fast_linear, "_available_memory", lambda: 8 * 1024)  # a copy would take over half
     assert fast_linear.prepack([layer]) == 0 and layer.onednn is None
-    monkeypatch.setattr(fast_linear, "_available_memory", lambda: None)  # unknown: pack
     bf16 = FastLinear(48, 24)
     store_weights_as(bf16, torch.bfloat16)
-    assert fast_linear.prepack([layer, bf16]) == 48 * 24 * 4
-    assert layer.onednn is not None and bf16.onednn is None, "bf16 weights keep their own path"
+    # Half of 6,000 bytes holds the bf16 weight (2,304) but not its float32 copy (4,608).
+    monkeypatch.setattr(fast_linear, "_available_memory", lambda: 6000)
+    assert fast_linear.prepack([bf16]) == 0 and bf16.onednn is None
+    monkeypatch.setattr(fast_linear, "_available_memory", lambda: None)  # unknown: pack
+    assert fast_linear.prepack([layer, bf16]) == 2 * 48 * 24 * 4
+    assert layer.onednn is not None and bf16.onednn is not None
 
 
 @pytest.mark.parametrize("slice_bytes", [1 << 30, 64 * 4 * 7])

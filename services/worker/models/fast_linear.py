@@ -20,8 +20,9 @@ kernel against it.
 
 Weights may be stored in bfloat16 under float32 activations (`--weight-dtype bfloat16`,
 `store_weights_as`): a single stream then reads half the bytes. The kernel widens bf16 in
-registers; past its row count the BLAS gets float32 weights widened a slice at a time, because
-a bf16 GEMM on a CPU without bf16 math ran at ~1 GFLOP/s (measured on AVX2).
+registers; past its row count the GEMM runs on a float32 oneDNN copy (the same memory guard:
+the copies take 4 bytes a parameter), else the BLAS gets float32 weights widened a slice at a
+time, because a bf16 GEMM on a CPU without bf16 math ran at ~1 GFLOP/s (measured on AVX2).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.models import calibration_cache
-from services.worker.models.prepacked_linear import OneDnnWeight
+from services.worker.models.prepacked_linear import PACKABLE_DTYPES, OneDnnWeight
 
 logger = logging.getLogger(__name__)
 
@@ -151,10 +152,10 @@ def _available_memory() -> int | None:
 
 
 def prepack(layers: list[FastLinear]) -> int:
-    """Give the float32 layers a oneDNN-packed copy for the GEMM (see the module docstring); returns bytes packed."""
-    fp32 = [m for m in layers if m.weight.dtype == torch.float32]
-    total = sum(m.weight.numel() * m.weight.element_size() for m in fp32)
-    if not fp32 or os.environ.get(DISABLE_ONEDNN_ENV) == "1" or not torch.backends.mkldnn.is_available():
+    """Give the layers a float32 oneDNN-packed copy for the GEMM (see the module docstring); returns bytes packed."""
+    packable = [m for m in layers if m.weight.dtype in PACKABLE_DTYPES]
+    total = sum(m.weight.numel() * 4 for m in packable)  # the copies are float32 whatever the weight's dtype
+    if not packable or os.environ.get(DISABLE_ONEDNN_ENV) == "1" or not torch.backends.mkldnn.is_available():
         return 0
     available = _available_memory()
     if available is not None and total > ONEDNN_MAX_MEMORY_SHARE * available:
@@ -162,11 +163,11 @@ def prepack(layers: list[FastLinear]) -> int:
                     total / 2**20, available / 2**20)
         return 0
     packed = 0
-    for layer in fp32:
+    for layer in packable:
         onednn = OneDnnWeight()
         if onednn.get(layer.weight, layer.bias) is not None:
             layer.onednn = onednn
-            packed += layer.weight.numel() * layer.weight.element_size()
+            packed += layer.weight.numel() * 4
     return packed
 
 

@@ -24,14 +24,20 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 PACK_ROWS_HINT = 2048  # rows oneDNN tunes the layout for (the default round budget); any row count runs
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)  # weights a float32 packed copy can stand in for
 
 
 def _reorder(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The oneDNN-packed weight, or None (with the reason logged) where it cannot stand in for F.linear."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    """The oneDNN-packed float32 weight, or None (with the reason logged) where it cannot stand in for F.linear.
+
+    A bfloat16 weight is widened to float32 first: the copy serves float32 activations, as the
+    narrow weight does through FastLinear's kernel (a bf16 GEMM without bf16 math crawls)."""
+    if (weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES
+            or not torch.backends.mkldnn.is_available()):
         return None
+    weight = weight.detach().float()
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
         probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
         ok = torch.allclose(_packed_linear(probe, packed, bias), F.linear(probe, weight, bias), rtol=1e-4, atol=1e-4)
     except (AttributeError, RuntimeError) as exc:  # an op missing or refusing this build
@@ -68,7 +74,7 @@ class OneDnnWeight:
         """F.linear(x, weight, bias), through oneDNN where the weight packs and x is CPU float32."""
         packed = self.get(weight, bias)
         if packed is None or x.dtype != torch.float32 or x.device.type != "cpu":
-            return F.linear(x, weight, bias)
+            return F.linear(x, weight.to(x.dtype), bias)  # a no-op unless the weight is stored narrower
         rows = x.reshape(-1, x.shape[-1])
         return _packed_linear(rows, packed, bias).view(*x.shape[:-1], weight.shape[0])
 
