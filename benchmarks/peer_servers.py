@@ -23,7 +23,7 @@ from pathlib import Path
 
 from benchmarks.models import REPO
 from benchmarks.spindle_server import stop_server
-from tests.e2e.server import free_port
+from shared.ports import free_port
 
 logger = logging.getLogger(__name__)
 

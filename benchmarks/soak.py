@@ -42,8 +42,8 @@ from benchmarks.soak_outcome import ABORTED, COMPLETED, ERROR, REJECTED, Outcome
 from benchmarks.soak_probe import Probe, Snapshot
 from benchmarks.soak_shapes import Mix, Shape, ShapeSource
 from benchmarks.spindle_server import spindle_server
+from shared.ports import free_port
 from tests.e2e.server import RunningServer
-from tests.e2e.test_observability import _free_port_run
 
 logger = logging.getLogger("benchmarks.soak")
 
@@ -279,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings, out_dir = parse_settings(argv)
     stem = time.strftime("soak-%Y%m%d-%H%M%S")
     model_dir = Path(settings.model_dir) if settings.model_dir else ensure_model("small")
-    metrics_port = _free_port_run(3 + settings.workers)
+    metrics_port = free_port(count=3 + settings.workers)
     args = ["--workers", str(settings.workers), "--metrics-port", str(metrics_port)]
     if settings.kv_cache_bytes:
         args += ["--kv-cache-bytes", str(settings.kv_cache_bytes)]

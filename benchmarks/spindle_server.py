@@ -18,7 +18,8 @@ import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from tests.e2e.server import RunningServer, _wait_healthy, free_port
+from shared.ports import free_port
+from tests.e2e.server import RunningServer, _wait_healthy
 
 logger = logging.getLogger(__name__)
 

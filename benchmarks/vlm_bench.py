@@ -49,8 +49,8 @@ from benchmarks.metrics import LatencyStats, RequestResult
 from benchmarks.models import REPO
 from benchmarks.report import format_ms, machine_info
 from benchmarks.soak_probe import metric_samples
+from shared.ports import free_port
 from shared.tiny_vlm import TinyVlmSpec, build_vlm
-from tests.e2e.test_observability import _free_port_run
 
 logger = logging.getLogger("benchmarks.vlm_bench")
 
@@ -199,7 +199,7 @@ def run_spindle(workload: str, model_dir: Path, s: VlmSettings, stem: str) -> Vl
 
     requests = build_requests(workload, s)
     warmup = [VlmRequest(random_png(s.seed + WARMUP_SEED, s.image_px), QUESTION, s.max_tokens)]
-    metrics_port = _free_port_run(3)
+    metrics_port = free_port(count=3)
     log_path = RESULTS_DIR / f"vlm-{stem}-{workload}.log"
     with spindle_server(model_dir, "--metrics-port", str(metrics_port), *s.spindle_args, num_threads=s.num_threads,
                         log_path=log_path, timeout_s=s.server_timeout_s) as server:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 
 from services.cpu_affinity import CorePlan, format_cores, plan_cores, worker_env
 from shared.api_keys import ApiKeys
+from shared.ports import free_port
 from shared.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
@@ -108,13 +108,6 @@ def _probe_context(tls: TlsFiles | None) -> ssl.SSLContext | None:
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
     return context
-
-
-def free_port() -> int:
-    """A port that was free a moment ago on loopback (the service binds it right after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Launcher:

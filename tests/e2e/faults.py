@@ -15,13 +15,8 @@ from pathlib import Path
 
 import redis
 
+from shared.ports import free_port
 from tests.e2e.server import descendants
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -69,7 +64,7 @@ class RedisServer:
 
 @contextlib.contextmanager
 def redis_server(data_dir: Path) -> Iterator[RedisServer]:
-    server = RedisServer(_free_port(), data_dir)
+    server = RedisServer(free_port(), data_dir)
     with socket.socket() as probe:  # the port must really be free: a stale server would answer
         probe.bind(("127.0.0.1", server.port))
     server.start()

@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 
 from shared.pb.spindle.v1 import generation_pb2, generation_pb2_grpc
+from shared.ports import free_port
 from tests.e2e.clients import Generated, grpc_channel
 from tests.e2e.faults import RedisServer, child, flag, kill9, redis_server
 from tests.e2e.server import RunningServer, spindle_serve
-from tests.e2e.test_observability import _free_port_run, _sum
+from tests.e2e.test_observability import _sum
 from tests.e2e.test_scheduler_pressure import assert_matches_oracle, jobs_for, scheduler_stats
 
 pytestmark = pytest.mark.e2e
@@ -88,7 +89,7 @@ def wait_until_idle(server: RunningServer, metrics_port: int, redis: RedisServer
 
 
 def _serve(model: Path, redis: RedisServer, *args: str, env: dict[str, str] | None = None):  # noqa: ANN202
-    metrics_port = _free_port_run(4)
+    metrics_port = free_port(count=4)
     server = spindle_serve(model, "--metrics-port", str(metrics_port), *args,
                            extra_env={"SPINDLE_STATE_STORE": redis.url, **(env or {})})
     return server, metrics_port

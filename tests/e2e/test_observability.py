@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import urllib.request
 from collections import defaultdict
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 
 from benchmarks.otlp_receiver import ReceivedSpan, otlp_receiver
 from shared.pb.spindle.v1 import generation_pb2, generation_pb2_grpc
+from shared.ports import free_port
 from tests.e2e.clients import grpc_channel
 from tests.e2e.server import RunningServer, spindle_serve
 
@@ -29,24 +29,6 @@ pytestmark = pytest.mark.e2e
 NUM_REQUESTS = 16
 MAX_TOKENS = 6
 PROMPT = "the quick brown fox jumps over the lazy dog"
-
-
-def _free_port_run(count: int) -> int:
-    """The first of `count` consecutive loopback ports that are all free now."""
-    for _ in range(100):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            base = sock.getsockname()[1]
-        if base + count > 65535:
-            continue
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise AssertionError("no run of free ports")
 
 
 def _client_traceparent() -> tuple[str, str, str]:
@@ -117,7 +99,7 @@ def _complete(spans: list[ReceivedSpan], trace_ids: set[str]) -> bool:
 def test_each_request_is_one_connected_trace_and_metrics_count_it(tiny_models: dict[str, Path]) -> None:
     model = tiny_models["llama"]
     with otlp_receiver() as receiver:
-        metrics_port = _free_port_run(3)
+        metrics_port = free_port(count=3)
         env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{receiver.address}", "OTEL_BSP_SCHEDULE_DELAY": "100"}
         with spindle_serve(model, "--metrics-port", str(metrics_port), extra_env=env) as server:
             clients = [_client_traceparent() for _ in range(NUM_REQUESTS)]
