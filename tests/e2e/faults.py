@@ -6,7 +6,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import redis
 
-from shared.ports import free_port
+from shared.ports import free_port, is_free
 from tests.e2e.server import descendants
 
 
@@ -65,8 +64,7 @@ class RedisServer:
 @contextlib.contextmanager
 def redis_server(data_dir: Path) -> Iterator[RedisServer]:
     server = RedisServer(free_port(), data_dir)
-    with socket.socket() as probe:  # the port must really be free: a stale server would answer
-        probe.bind(("127.0.0.1", server.port))
+    assert is_free(server.port), f"port {server.port} is taken: a stale server would answer"
     server.start()
     try:
         yield server

@@ -403,9 +403,10 @@ class ItemKernel {
     }
     block_sum = sum_lanes(sums);
 #endif
-    for (; j < e; ++j) {
-      s[j] = exp_nonpositive(s[j] - new_max);
-      block_sum += s[j];
+#pragma omp simd reduction(+ : block_sum)
+    for (int64_t t = j; t < e; ++t) {  // the rest (all of it without AVX2), as the loop was before
+      s[t] = exp_nonpositive(s[t] - new_max);
+      block_sum += s[t];
     }
     max_[qv] = new_max;
     sum_[qv] = sum_[qv] * alpha + block_sum;
