@@ -26,6 +26,7 @@ from services.worker.attention import AttentionBackend
 from services.worker.encoder_cache import EncoderCache
 from services.worker.grammar_state import GrammarState
 from services.worker.input_builder import ModelInput, ModelInputBuilder
+from services.worker.models.fused import fused_kernels_error
 from services.worker.request_states import RequestStates
 from services.worker.round_stops import Aborts, RoundRows, StopTable
 from services.worker.sampler import Sampler
@@ -76,7 +77,8 @@ class ModelRunner:
         self.states = RequestStates(self.max_model_len, self.block_size)
         self.sampling_state = SamplingState(self.vocab_size, self.eos_token_ids, self.device)
         self.input_builder = ModelInputBuilder(self.states, self.backend.metadata_builder(), self.device)
-        self.sampler = Sampler(self.sampling_state.penalty_tables, self.generator)
+        self.sampler = Sampler(self.sampling_state.penalty_tables, self.generator,
+                               argmax_kernel=fused_kernels_error(self.device) is None)
         self.stops = StopTable(self.eos_token_ids)
         self.aborts = Aborts()
         self.grammar_state.clear()

@@ -9,6 +9,8 @@ is their cost at decode sizes:
 - the rotary embedding inside the paged attention kernel (`forward_rotary`), applied to the
   queries as it loads them and to the keys as it writes them to the KV cache.
 
+The sampler's argmax kernel (kernels/csrc/argmax.cpp) follows the same switch.
+
 Measured side by side (`python -m benchmarks.fused_ops_bench`, medium model shapes: hidden 1024,
 intermediate 2816, 16 / 4 heads of 64, 192-token contexts, 2-core AMD EPYC Zen 1, shared with
 other work; torch -> fused, us per call):
