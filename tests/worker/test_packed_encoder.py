@@ -86,9 +86,69 @@ def test_packed_attention_computes_no_padding() -> None:
         return kernel(q, k, v, scale)
 
     attention.kernel = spy
+    attention.batch_kernel = False  # the per-sequence loop (the batch kernel is tested below)
     q, k, v = _qkv(LENS)
     attention.forward(SPEC, q, k, v, PackedEncoderMetadataBuilder().build(_common(LENS), []))
     assert seen == [(1, HEADS, n, DIM) for n in LENS]  # each sequence alone: sum of lengths, no padded rows
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], scale: float) -> torch.Tensor:
+    """float64 softmax(q k^T) v within each sequence."""
+    out, start = [], 0
+    for n in lens:
+        qs, ks, vs = (t[start:start + n].double().transpose(0, 1) for t in (q, k, v))
+        out.append(((qs @ ks.transpose(1, 2)) * scale).softmax(-1).matmul(vs).transpose(0, 1))
+        start += n
+    return torch.cat(out).float()
+
+
+@pytest.fixture()
+def batch_kernel() -> None:
+    if kernels_error() is not None:
+        pytest.skip(f"kernels unavailable: {kernels_error()}")
+
+
+@pytest.mark.usefixtures("batch_kernel")
+@pytest.mark.parametrize(("heads", "dim"), [(12, 32), (4, 64), (3, 8), (2, 20)])
+def test_batch_kernel_equals_float64_attention_on_qkv_views(heads: int, dim: int) -> None:
+    lens = [1, 7, 8, 9, 250, 33, 2]  # vector bodies, tails, a lone token, a long sentence
+    gen = torch.Generator().manual_seed(heads * dim)
+    qkv = torch.randn(sum(lens), 3 * heads * dim, generator=gen) * 2  # the fused projection's output
+    q, k, v = (t.view(-1, heads, dim) for t in qkv.split(heads * dim, -1))
+    assert q.stride(0) == 3 * heads * dim  # views, as EncoderLayer passes them
+    starts = torch.tensor(np.concatenate(([0], np.cumsum(lens))), dtype=torch.int64)
+    out = torch.ops.spindle.encoder_attention(q, k, v, starts, dim**-0.5)
+    assert out.shape == (sum(lens), heads, dim) and out.is_contiguous()
+    torch.testing.assert_close(out, _reference(q, k, v, lens, dim**-0.5), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.usefixtures("batch_kernel")
+def test_batch_kernel_equals_the_sdpa_loop() -> None:
+    attention = EncoderAttention(create_backend("sdpa", 16))
+    q, k, v = _qkv(LENS)
+    meta = PackedEncoderMetadataBuilder().build(_common(LENS), [])
+    by_kernel = attention.forward(SPEC, q, k, v, meta)
+    assert attention.batch_kernel is True
+    attention.batch_kernel = False
+    torch.testing.assert_close(by_kernel, attention.forward(SPEC, q, k, v, meta), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.usefixtures("batch_kernel")
+def test_batch_kernel_rejects_bad_boundaries_and_layouts() -> None:
+    q, k, v = _qkv([3, 4])
+    with pytest.raises(RuntimeError, match="run from 0 to 7"):
+        torch.ops.spindle.encoder_attention(q, k, v, torch.tensor([0, 3, 6]), 1.0)
+    with pytest.raises(RuntimeError, match="empty or out of order"):
+        torch.ops.spindle.encoder_attention(q, k, v, torch.tensor([0, 3, 3, 7]), 1.0)
+    with pytest.raises(RuntimeError, match="contiguous heads"):
+        torch.ops.spindle.encoder_attention(q.transpose(1, 2).contiguous().transpose(1, 2), k, v,
+                                            torch.tensor([0, 3, 7]), 1.0)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.spindle.encoder_attention(q.double(), k, v, torch.tensor([0, 3, 7]), 1.0)
+
+
+def test_naive_backend_keeps_the_reference_loop() -> None:
+    assert EncoderAttention(create_backend("naive", 16)).batch_kernel is False
 
 
 def test_attention_outside_the_cpu_uses_the_backend_layout() -> None:

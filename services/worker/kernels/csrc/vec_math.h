@@ -1,0 +1,79 @@
+// Vector math shared by the attention kernels (paged_attention.cpp, encoder_attention.cpp):
+// a softmax's exponential on 8 lanes (the compiler leaves std::exp scalar) and horizontal
+// reductions. Header-only: each kernel inlines them into its loops.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace spindle {
+
+// e^x for x <= 0 (softmax after subtracting the running max), vectorisable: 2^n * e^r with
+// |r| <= ln2 / 2 and a degree-7 Taylor polynomial (truncation error ~5e-9, below fp32's eps).
+// Inputs below -87 give e^-87 (~1.6e-38): a weight that vanishes next to the max's 1.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+#ifdef __AVX2__
+// exp_nonpositive on 8 lanes: the same range reduction and polynomial, so both paths agree.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// The largest of a vector's 8 lanes.
+inline float max_lane(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// The sum of a vector's 8 lanes.
+inline float sum_lanes(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+#endif
+
+#ifdef __AVX2__
+// [sum(v[0]), sum(v[1]), ..., sum(v[7])]: eight horizontal sums in one transposing add tree.
+inline __m256 sum_each(const __m256 v[8]) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // a = [0 1 2 3 | 0 1 2 3] halves of v[0..3], b likewise for v[4..7]: add the 128-bit halves.
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+#endif
+
+}  // namespace spindle
