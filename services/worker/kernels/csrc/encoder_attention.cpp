@@ -106,33 +106,7 @@ class SequenceHead {
 
   // s <- exp(s - max(s)) in place; returns the sum of the weights.
   static float softmax(float* s, int64_t L) {
-    float m = s[0];
-    int64_t j = 0;
-#ifdef __AVX2__
-    if (L >= 8) {
-      __m256 vm = _mm256_loadu_ps(s);
-      for (j = 8; j + 8 <= L; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + j));
-      m = max_lane(vm);
-    }
-#endif
-    for (; j < L; ++j) m = std::max(m, s[j]);
-    float sum = 0.0f;
-    j = 0;
-#ifdef __AVX2__
-    const __m256 shift = _mm256_set1_ps(m);
-    __m256 sums = _mm256_setzero_ps();
-    for (; j + 8 <= L; j += 8) {
-      const __m256 w = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift));
-      _mm256_storeu_ps(s + j, w);
-      sums = _mm256_add_ps(sums, w);
-    }
-    sum = sum_lanes(sums);
-#endif
-    for (; j < L; ++j) {
-      s[j] = exp_nonpositive(s[j] - m);
-      sum += s[j];
-    }
-    return sum;
+    return exp_shifted_sum(s, 0, L, max_of(s, 0, L));
   }
 
   // acc[p][0..width) = sum_j s_p[j] * v_j[c..c+width) for the nq queries whose weights are in scores_.

@@ -318,35 +318,10 @@ class ItemKernel {
     if (s_.softcap > 0.0f) {
       for (int64_t j = a; j < e; ++j) s[j] = s_.softcap * std::tanh(s[j] / s_.softcap);
     }
-    float block_max = s[a];
-    int64_t j = a;
-#ifdef __AVX2__
-    if (e - a >= 8) {  // the compiler leaves the exp below scalar: 8 lanes by hand
-      __m256 m = _mm256_loadu_ps(s + a);
-      for (j = a + 8; j + 8 <= e; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
-      block_max = max_lane(m);
-    }
-#endif
-    for (; j < e; ++j) block_max = std::max(block_max, s[j]);
+    const float block_max = max_of(s, a, e);
     const float new_max = std::max(max_[qv], block_max);
     const float alpha = exp_nonpositive(max_[qv] - new_max);
-    float block_sum = 0.0f;
-    j = a;
-#ifdef __AVX2__
-    __m256 sums = _mm256_setzero_ps();
-    const __m256 shift = _mm256_set1_ps(new_max);
-    for (; j + 8 <= e; j += 8) {
-      const __m256 w = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift));
-      _mm256_storeu_ps(s + j, w);
-      sums = _mm256_add_ps(sums, w);
-    }
-    block_sum = sum_lanes(sums);
-#endif
-#pragma omp simd reduction(+ : block_sum)
-    for (int64_t t = j; t < e; ++t) {  // the rest (all of it without AVX2), as the loop was before
-      s[t] = exp_nonpositive(s[t] - new_max);
-      block_sum += s[t];
-    }
+    const float block_sum = exp_shifted_sum(s, a, e, new_max);
     max_[qv] = new_max;
     sum_[qv] = sum_[qv] * alpha + block_sum;
     return alpha;

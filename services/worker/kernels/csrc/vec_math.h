@@ -76,4 +76,41 @@ inline __m256 sum_each(const __m256 v[8]) {
 }
 #endif
 
+// The largest of s[a, e), e > a.
+inline float max_of(const float* s, int64_t a, int64_t e) {
+  float m = s[a];
+  int64_t j = a;
+#ifdef __AVX2__
+  if (e - a >= 8) {  // the compiler leaves this scalar: 8 lanes by hand
+    __m256 v = _mm256_loadu_ps(s + a);
+    for (j = a + 8; j + 8 <= e; j += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(s + j));
+    m = max_lane(v);
+  }
+#endif
+  for (; j < e; ++j) m = std::max(m, s[j]);
+  return m;
+}
+
+// s[j] <- e^(s[j] - shift) for j in [a, e), shift >= every s[j] (a softmax's max); returns their sum.
+inline float exp_shifted_sum(float* s, int64_t a, int64_t e, float shift) {
+  float sum = 0.0f;
+  int64_t j = a;
+#ifdef __AVX2__
+  __m256 sums = _mm256_setzero_ps();
+  const __m256 m = _mm256_set1_ps(shift);
+  for (; j + 8 <= e; j += 8) {
+    const __m256 w = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+    _mm256_storeu_ps(s + j, w);
+    sums = _mm256_add_ps(sums, w);
+  }
+  sum = sum_lanes(sums);
+#endif
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = j; t < e; ++t) {  // the rest (all of it without AVX2)
+    s[t] = exp_nonpositive(s[t] - shift);
+    sum += s[t];
+  }
+  return sum;
+}
+
 }  // namespace spindle
