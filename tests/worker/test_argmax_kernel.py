@@ -11,19 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.kernels.build import KernelBuildError, load_kernels
 from services.worker.sampler import Sampler
 from services.worker.sampling_state import SamplingState
 from shared.execute import NewRequestData
 from shared.sampling import SamplingOptions
 
-
-@pytest.fixture(scope="module", autouse=True)
-def kernels() -> None:
-    try:
-        load_kernels()
-    except KernelBuildError as exc:
-        pytest.skip(f"kernels unavailable: {exc}")
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 def _check(x: torch.Tensor) -> None:

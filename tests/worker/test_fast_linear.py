@@ -11,17 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker.kernels.build import KernelBuildError, load_kernels
 from services.worker.models import fast_linear
 from services.worker.models.fast_linear import FastLinear, calibrate, store_weights_as
 
-
-@pytest.fixture(scope="module", autouse=True)
-def kernels() -> None:
-    try:
-        load_kernels()
-    except KernelBuildError as exc:
-        pytest.skip(f"kernels unavailable: {exc}")
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from services.worker.attention import create_backend
 from services.worker.attention.base import AttentionType, CommonAttentionMetadata, LayerAttentionSpec
 from services.worker.attention.paged import create
-from services.worker.kernels.build import KernelBuildError, load_kernels
 from services.worker.models.decoder import RMSNorm
 from services.worker.models.fused import DISABLE_ENV, fused_kernels_error
 from services.worker.models.loader import load_model
@@ -28,13 +27,7 @@ from services.worker.models.rope import RotaryEmbedding
 from services.worker.models.rope_scaling import RopeConfig
 from tests.worker.test_paged_attention import ROWS, _case
 
-
-@pytest.fixture(scope="module", autouse=True)
-def kernels() -> None:
-    try:
-        load_kernels()
-    except KernelBuildError as exc:
-        pytest.skip(f"kernels unavailable: {exc}")
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 def _norm(hidden: int, unit_offset: bool, weight_dtype: torch.dtype, seed: int) -> RMSNorm:

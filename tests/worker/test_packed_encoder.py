@@ -102,13 +102,7 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int
     return torch.cat(out).float()
 
 
-@pytest.fixture()
-def batch_kernel() -> None:
-    if kernels_error() is not None:
-        pytest.skip(f"kernels unavailable: {kernels_error()}")
-
-
-@pytest.mark.usefixtures("batch_kernel")
+@pytest.mark.usefixtures("cpu_kernels")
 @pytest.mark.parametrize(("heads", "dim"), [(12, 32), (4, 64), (3, 8), (2, 20)])
 def test_batch_kernel_equals_float64_attention_on_qkv_views(heads: int, dim: int) -> None:
     lens = [1, 7, 8, 9, 250, 33, 2]  # vector bodies, tails, a lone token, a long sentence
@@ -122,7 +116,7 @@ def test_batch_kernel_equals_float64_attention_on_qkv_views(heads: int, dim: int
     torch.testing.assert_close(out, _reference(q, k, v, lens, dim**-0.5), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.usefixtures("batch_kernel")
+@pytest.mark.usefixtures("cpu_kernels")
 def test_batch_kernel_equals_the_sdpa_loop() -> None:
     attention = EncoderAttention(create_backend("sdpa", 16))
     q, k, v = _qkv(LENS)
@@ -133,7 +127,7 @@ def test_batch_kernel_equals_the_sdpa_loop() -> None:
     torch.testing.assert_close(by_kernel, attention.forward(SPEC, q, k, v, meta), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.usefixtures("batch_kernel")
+@pytest.mark.usefixtures("cpu_kernels")
 def test_batch_kernel_rejects_bad_boundaries_and_layouts() -> None:
     q, k, v = _qkv([3, 4])
     with pytest.raises(RuntimeError, match="run from 0 to 7"):
