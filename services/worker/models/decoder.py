@@ -26,6 +26,7 @@ from services.worker.models.base import SpindleModel, WeightTarget
 from services.worker.models.config import DecoderConfig
 from services.worker.models.fast_linear import FastLinear
 from services.worker.models.fused import ACTIVATION_CODES, fused_kernels_enabled
+from services.worker.models.native_stack import NativeStack, build_native_stack
 from services.worker.models.rope import RotaryEmbedding
 from shared.types import RequestKind
 
@@ -183,6 +184,7 @@ class DecoderForCausalLM(SpindleModel):
     """Llama-style decoder: embed, N layers, final norm, LM head on sampled rows only."""
 
     task = RequestKind.GENERATE
+    native_stack: NativeStack | None = None  # few-row steps in one kernel call (build_native_stack)
 
     def __init__(self, config: DecoderConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -212,11 +214,18 @@ class DecoderForCausalLM(SpindleModel):
 
     def use_fused_kernels(self, enabled: bool) -> None:
         """Route float32 norms, activations and (with a backend that can) rotary through the fused kernels."""
+        if not enabled:
+            self.native_stack = None
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.fused = enabled
             elif isinstance(module, Attention):
                 module.fused_rotary = enabled and module.backend.fuses_rotary
+
+    def build_native_stack(self) -> None:
+        """Gather the layers' parameters for the one-call stack (models/native_stack.py); once the
+        weights are final and calibrated (the loader calls it), as the kernel reads these tensors."""
+        self.native_stack = build_native_stack(self.config, self.layers, self.norm)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings, scaled where the family scales them (Gemma: sqrt(hidden_size))."""
@@ -249,6 +258,10 @@ class DecoderForCausalLM(SpindleModel):
     ) -> torch.Tensor:
         """Final hidden states [num_tokens, hidden_size]."""
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        stack = self.native_stack
+        if stack is not None and stack.accepts(x, kv_caches, meta):
+            assert kv_caches is not None
+            return stack(x, positions, kv_caches, meta, self.rope.cos, self.rope.sin)
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, None if kv_caches is None else kv_caches[i], meta)

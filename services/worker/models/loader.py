@@ -19,6 +19,7 @@ from services.worker.attention import AttentionBackend
 from services.worker.models import MODEL_REGISTRY, SENTENCE_TRANSFORMERS_BASES, resolve_model
 from services.worker.models.base import SpindleModel
 from services.worker.models.config import DecoderConfig
+from services.worker.models.decoder import DecoderForCausalLM
 from services.worker.models.encoder_config import EncoderConfig
 from services.worker.models.fast_linear import calibrate, store_weights_as
 
@@ -80,6 +81,9 @@ def load_model(
         logger.info("linear weights stored as %s: %.1f MiB", weight_dtype, linear_bytes / 2**20)
     if device.type == "cpu" and dtype == torch.float32:
         calibrate(model)  # which linear layers run few-row inputs through spindle's kernel
+        for module in model.modules():
+            if isinstance(module, DecoderForCausalLM):
+                module.build_native_stack()  # needs the calibration's row counts
     return model.eval()
 
 

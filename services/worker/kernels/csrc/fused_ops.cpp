@@ -20,6 +20,7 @@
 #pragma GCC optimize("fp-contract=off")
 
 #include "fused_ops.h"
+#include "kernel_ops.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -20,6 +20,8 @@
 // reuse of x and W in registers won or tied at most shapes, so it keeps those.
 // Which calls use it is decided by measurement at run time (models/fast_linear.py).
 
+#include "kernel_ops.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -43,6 +43,7 @@
 #include <torch/library.h>
 
 #include "fused_ops.h"
+#include "kernel_ops.h"
 #include "vec_math.h"
 
 #include <algorithm>

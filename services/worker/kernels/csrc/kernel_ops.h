@@ -1,0 +1,29 @@
+// The kernels' C++ entry points (each also registered as a torch.ops.spindle op), for code in
+// this library that chains them without going back through Python (decoder_stack.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <cstdint>
+#include <tuple>
+
+namespace spindle {
+
+at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+
+at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
+                           at::Tensor kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                           const at::Tensor& work_items, double scale, int64_t window, double softcap,
+                           const c10::optional<at::Tensor>& positions, const c10::optional<at::Tensor>& cos,
+                           const c10::optional<at::Tensor>& sin);
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps, bool unit_offset);
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at::Tensor& residual_in,
+                                                const at::Tensor& weight, double eps, bool unit_offset);
+
+at::Tensor act_and_mul(const at::Tensor& gate_up_in, int64_t activation);
+
+}  // namespace spindle

@@ -1,0 +1,134 @@
+"""The decoder's layer stack in one kernel call for few-row steps (kernels/csrc/decoder_stack.cpp).
+
+At decode sizes a layer's kernels are short and the Python around them (module calls, splits,
+views, argument checks, ~4 us of dispatch an op) costs as much again: measured on the small
+benchmark model (4 layers, hidden 256), one stream, in process, one torch thread, the Python
+stack took 2.0-2.2 ms a step. `torch.ops.spindle.decoder_stack` runs every layer and the final
+norm in C++ through the same kernels in the same order, so its output is bit for bit the fused
+Python path's; the step's Python keeps only the embedding lookup, the LM head and sampling.
+
+It runs where that path would call exactly those kernels: fused kernels on (models/fused.py),
+the `paged` backend's rotary attention, pre-norm layers without per-head q/k norms (Llama,
+Mistral, Qwen2, Phi-3, Gemma 1; not Gemma 2's sandwich norms or Qwen3's q/k norms), and rows
+few enough that every linear layer of the stack runs the small-M kernel (`kernel_max_rows`,
+set by the calibration at load). Everything else (prefill chunks, big batches, other devices)
+takes the Python path. `SPINDLE_DISABLE_NATIVE_STACK=1` keeps the Python path for side-by-side
+runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from services.worker.attention.paged import PagedMetadata
+from services.worker.models.config import DecoderConfig
+from services.worker.models.fast_linear import FastLinear
+from services.worker.models.fused import ACTIVATION_CODES
+
+logger = logging.getLogger(__name__)
+
+DISABLE_ENV = "SPINDLE_DISABLE_NATIVE_STACK"  # 1: the Python layer loop at every size
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(slots=True)
+class NativeStack:
+    """The stack's parameters in the order the kernel takes them, gathered once at load."""
+
+    weights: list[torch.Tensor]  # per layer: input norm, qkv, o, post-attention norm, gate_up, down; final norm
+    biases: list[torch.Tensor | None]  # per layer: qkv, o, gate_up, down
+    windows: list[int]  # per layer: sliding window, 0 for none
+    eps: float
+    unit_offset: bool
+    activation: int
+    num_heads: int
+    scale: float
+    softcap: float
+    max_rows: int  # the most rows every linear layer runs through the small-M kernel
+
+    def accepts(self, hidden: torch.Tensor, kv_caches: Sequence[torch.Tensor] | None, meta: object) -> bool:
+        """Whether this forward pass can run here (else the caller takes the Python path)."""
+        return (
+            0 < hidden.shape[0] <= self.max_rows
+            and hidden.dtype == torch.float32
+            and kv_caches is not None
+            and isinstance(meta, PagedMetadata)
+        )
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[torch.Tensor],
+        meta: PagedMetadata,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """Final hidden states (after the last norm), as the Python layer loop computes them."""
+        common = meta.common
+        return torch.ops.spindle.decoder_stack(
+            hidden, self.weights, self.biases, kv_caches, self.windows, self.eps, self.unit_offset,
+            self.activation, self.num_heads, self.scale, self.softcap, common.slot_mapping,
+            common.block_tables, common.seq_lens, common.query_start_loc, meta.work_items,
+            positions.contiguous(), cos, sin,
+        )
+
+
+def build_native_stack(config: DecoderConfig, layers: nn.ModuleList, final_norm: nn.Module) -> NativeStack | None:
+    """The native stack for these layers, or None (logged) where it would not compute what they do."""
+    reason = _unsupported(config, layers)
+    if reason is not None:
+        logger.info("decoder layers run from Python at every size: %s", reason)
+        return None
+    weights: list[torch.Tensor] = []
+    biases: list[torch.Tensor | None] = []
+    windows: list[int] = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        weights += [layer.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
+                    layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
+        biases += [attn.qkv_proj.bias, attn.o_proj.bias, mlp.gate_up_proj.bias, mlp.down_proj.bias]
+        windows.append(attn.spec.sliding_window or 0)
+    weights.append(final_norm.weight)
+    spec = layers[0].self_attn.spec
+    max_rows = min(m.kernel_max_rows for m in layers.modules() if isinstance(m, FastLinear))
+    return NativeStack(
+        weights=[w.detach() for w in weights],
+        biases=[None if b is None else b.detach() for b in biases],
+        windows=windows,
+        eps=config.rms_norm_eps,
+        unit_offset=config.norm_unit_offset,
+        activation=ACTIVATION_CODES[config.hidden_act],
+        num_heads=spec.num_heads,
+        scale=spec.scale,
+        softcap=spec.logit_softcap or 0.0,
+        max_rows=max_rows,
+    )
+
+
+def _unsupported(config: DecoderConfig, layers: nn.ModuleList) -> str | None:
+    """Why the native stack cannot stand in for `layers`; None when it can."""
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return f"disabled by {DISABLE_ENV}"
+    if config.sandwich_norms or config.qk_norm:
+        return "sandwich norms or per-head q/k norms"
+    if config.hidden_act not in ACTIVATION_CODES:
+        return f"activation {config.hidden_act}"
+    specs = {(layer.self_attn.spec.scale, layer.self_attn.spec.logit_softcap) for layer in layers}
+    if len(specs) != 1:
+        return "layers with different attention scales or soft-caps"
+    for layer in layers:
+        if not (layer.self_attn.fused_rotary and layer.input_layernorm.fused and layer.mlp.fused):
+            return "the fused kernels are off or the attention backend does not fuse rotary"
+    linears = [m for m in layers.modules() if isinstance(m, FastLinear)]
+    if any(m.weight.dtype not in _WEIGHT_DTYPES or m.weight.device.type != "cpu" for m in linears):
+        return "linear weights not float32 / bfloat16 on the CPU"
+    if min(m.kernel_max_rows for m in linears) == 0:
+        return "some linear layer never runs the small-M kernel (calibration)"
+    return None
