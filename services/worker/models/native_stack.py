@@ -7,8 +7,8 @@ order, so its output is bit for bit the fused Python path's; the step's Python k
 embedding lookup, the LM head and sampling. Measured on a 2-core AMD EPYC (Zen 3), small
 benchmark model (4 layers, hidden 256), one stream, Python loop -> this, interleaved runs:
 
-  in process, ms a decode step (`ToyScheduler` rounds of 8)    2 threads 1.9-2.0 -> 1.0-1.2
-                                                               1 thread  1.9-2.3 -> 1.3-1.5
+  in process, ms a decode step (`ToyScheduler` rounds of 8)    2 threads 1.9-2.4 -> 1.0-1.2
+                                                               1 thread  1.8-2.4 -> 1.3-1.6
   served (`spindle serve`, 24 requests of 128 + 128 tokens),   worker step 3.9-4.0 -> 2.8-3.0 ms
   one stream, output tokens/s                                  239-242 -> 317-340
 
