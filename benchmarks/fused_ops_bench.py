@@ -1,19 +1,23 @@
 """The decoder's fused CPU kernels against the torch ops they replace, side by side in one run.
 
-Medium benchmark model shapes (hidden 1024, intermediate 2816, 16 query / 4 KV heads of 64,
-8 layers), fp32, decode steps of 1, 16 and 64 rows (one token per row, 192-token contexts):
+Medium benchmark model shapes by default (hidden 1024, intermediate 2816, 16 query / 4 KV heads
+of 64, 8 layers; `--model small`: hidden 256, 4 layers), fp32, decode steps of 1, 16 and 64 rows
+(one token per row, 192-token contexts):
 
 - add + RMSNorm: `residual + x` and RMSNorm's torch ops vs `torch.ops.spindle.add_rms_norm`;
 - SiLU * mul: split, `F.silu(gate) * up` vs `act_and_mul` over the gate_up output;
 - rotary + KV write + paged attention: `RotaryEmbedding` then the paged kernel vs the kernel
   rotating q and k itself (`forward_rotary`); the rotary ops alone are timed too;
-- the model's whole decode forward pass with the fused path off vs on.
+- the model's whole decode forward pass with the fused path off vs on;
+- the whole forward pass through the fused Python layer loop vs the one-call layer stack
+  (models/native_stack.py), at the row counts the stack takes.
 
 Each figure is the median over `--repeats` samples, the two variants of a pair alternating
 sample by sample so that load from other processes hits both alike.
 
     python -m benchmarks.fused_ops_bench
     python -m benchmarks.fused_ops_bench --rows 1,16,64 --repeats 30
+    python -m benchmarks.fused_ops_bench --model small --rows 1,16
 """
 
 from __future__ import annotations
@@ -99,13 +103,24 @@ def bench_rows(model: torch.nn.Module, rows: int, repeats: int) -> list[tuple[st
     common = decode_metadata(seq_lens, num_blocks)
     ids = torch.randint(0, config.vocab_size, (rows,), generator=gen)
     builder = backend.metadata_builder()
+    stack = model.native_stack
+    layers = f"{config.num_layers} layers"
 
     def step(fused: bool) -> object:
         model.use_fused_kernels(fused)
         return model(ids, positions, caches, builder.build(common, []))
 
-    out.append(("decode forward pass (8 layers)", *paired_us(lambda: step(False), lambda: step(True), repeats, 3)))
+    def step_through(native: bool) -> object:
+        model.native_stack = stack if native else None
+        return model(ids, positions, caches, builder.build(common, []))
+
+    if stack is not None and rows <= stack.max_rows:
+        out.append((f"decode forward pass ({layers}), Python loop -> one-call stack",
+                    *paired_us(lambda: step_through(False), lambda: step_through(True), repeats, 3)))
+    out.append((f"decode forward pass ({layers}), torch ops -> fused, Python loop",
+                *paired_us(lambda: step(False), lambda: step(True), repeats, 3)))
     model.use_fused_kernels(True)
+    model.native_stack = stack
     return out
 
 
@@ -114,14 +129,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--rows", default="1,16,64", help="comma list of decode batch sizes")
     p.add_argument("--repeats", type=int, default=21)
     p.add_argument("--threads", type=int, default=machine_cores())
+    p.add_argument("--model", default="medium", help="benchmark model (benchmarks/models.py)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    model = load_model(ensure_model("medium"), create_backend("paged", BLOCK_SIZE), torch.float32,
+    model = load_model(ensure_model(a.model), create_backend("paged", BLOCK_SIZE), torch.float32,
                        torch.device("cpu"))
     out = sys.stdout
-    out.write(f"medium model, fp32, {a.threads} threads, {CONTEXT}-token contexts, median of {a.repeats} "
+    out.write(f"{a.model} model, fp32, {a.threads} threads, {CONTEXT}-token contexts, median of {a.repeats} "
               "interleaved samples (us per call; the forward pass per step)\n")
-    out.write("| rows | op | torch us | fused us | speed-up |\n| --- | --- | --- | --- | --- |\n")
+    out.write("| rows | op | before us | after us | speed-up |\n| --- | --- | --- | --- | --- |\n")
     with torch.inference_mode():
         for rows in (int(r) for r in a.rows.split(",") if r):
             for op, before, after in bench_rows(model, rows, a.repeats):

@@ -12,8 +12,10 @@ benchmark model (4 layers, hidden 256), one stream, Python loop -> this, interle
   served (`spindle serve`, 24 requests of 128 + 128 tokens),   worker step 3.9-4.0 -> 2.8-3.0 ms
   one stream, output tokens/s                                  239-242 -> 317-340
 
-The medium model (8 layers, hidden 1024) reads 400 MB of weights a step: there the Python saved
-is a few per cent of an 11-14 ms step, inside this host's run-to-run noise.
+The forward pass alone, one row, median of 21 interleaved samples (`python -m
+benchmarks.fused_ops_bench --model small --rows 1`, and without `--model` for the medium
+model): small 1,587 -> 689 us, medium (8 layers, hidden 1024, 400 MB of weights a step)
+12.2 -> 9.7 ms. Served, the medium model's one stream gained 3-13 % in two interleaved pairs.
 
 It runs where that path would call exactly those kernels: fused kernels on (models/fused.py),
 the `paged` backend's rotary attention, pre-norm layers without per-head q/k norms (Llama,
