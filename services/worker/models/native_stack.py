@@ -39,7 +39,6 @@ from torch import nn
 from services.worker.attention.paged import PagedMetadata
 from services.worker.models.config import DecoderConfig
 from services.worker.models.fast_linear import FastLinear
-from services.worker.models.fused import ACTIVATION_CODES
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +91,8 @@ class NativeStack:
 
 def build_native_stack(config: DecoderConfig, layers: nn.ModuleList, final_norm: nn.Module) -> NativeStack | None:
     """The native stack for these layers, or None (logged) where it would not compute what they do."""
-    reason = _unsupported(config, layers)
+    linears = [m for m in layers.modules() if isinstance(m, FastLinear)]
+    reason = _unsupported(config, layers, linears)
     if reason is not None:
         logger.info("decoder layers run from Python at every size: %s", reason)
         return None
@@ -107,36 +107,32 @@ def build_native_stack(config: DecoderConfig, layers: nn.ModuleList, final_norm:
         windows.append(attn.spec.sliding_window or 0)
     weights.append(final_norm.weight)
     spec = layers[0].self_attn.spec
-    max_rows = min(m.kernel_max_rows for m in layers.modules() if isinstance(m, FastLinear))
     return NativeStack(
         weights=[w.detach() for w in weights],
         biases=[None if b is None else b.detach() for b in biases],
         windows=windows,
         eps=config.rms_norm_eps,
         unit_offset=config.norm_unit_offset,
-        activation=ACTIVATION_CODES[config.hidden_act],
+        activation=layers[0].mlp.act_code,
         num_heads=spec.num_heads,
         scale=spec.scale,
         softcap=spec.logit_softcap or 0.0,
-        max_rows=max_rows,
+        max_rows=min(m.kernel_max_rows for m in linears),
     )
 
 
-def _unsupported(config: DecoderConfig, layers: nn.ModuleList) -> str | None:
+def _unsupported(config: DecoderConfig, layers: nn.ModuleList, linears: list[FastLinear]) -> str | None:
     """Why the native stack cannot stand in for `layers`; None when it can."""
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         return f"disabled by {DISABLE_ENV}"
     if config.sandwich_norms or config.qk_norm:
         return "sandwich norms or per-head q/k norms"
-    if config.hidden_act not in ACTIVATION_CODES:
-        return f"activation {config.hidden_act}"
     specs = {(layer.self_attn.spec.scale, layer.self_attn.spec.logit_softcap) for layer in layers}
     if len(specs) != 1:
         return "layers with different attention scales or soft-caps"
     for layer in layers:
         if not (layer.self_attn.fused_rotary and layer.input_layernorm.fused and layer.mlp.fused):
             return "the fused kernels are off or the attention backend does not fuse rotary"
-    linears = [m for m in layers.modules() if isinstance(m, FastLinear)]
     if any(m.weight.dtype not in _WEIGHT_DTYPES or m.weight.device.type != "cpu" for m in linears):
         return "linear weights not float32 / bfloat16 on the CPU"
     if min(m.kernel_max_rows for m in linears) == 0:
