@@ -1,7 +1,7 @@
 """Decode step time, padded `sdpa` vs the in-place `paged` CPU backend, side by side in one run.
 
 Two batch shapes of 64 rows on the medium benchmark model (hidden 1024, 8 layers, 16 query / 4
-KV heads of 64), fp32, one new token per row:
+KV heads of 64; `--model small`: 4 layers, 8 / 2 heads of 32), fp32, one new token per row:
 
 - equal: every row has the same context (`--contexts`, each a shape);
 - skewed: one row of `--long` tokens and 63 of `--short` (issue 14: with a gathered, padded
@@ -13,6 +13,7 @@ warm-up. The cache's blocks are shuffled over the pool, as a busy server leaves 
 
     python -m benchmarks.attention_bench
     python -m benchmarks.attention_bench --contexts 128,1024 --long 2048 --short 128 --repeats 20
+    python -m benchmarks.attention_bench --model small --contexts 160,1024
 """
 
 from __future__ import annotations
@@ -113,16 +114,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=machine_cores())
+    p.add_argument("--model", default="medium", help="benchmark model (benchmarks/models.py)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    model = load_model(ensure_model("medium"), create_backend("sdpa", BLOCK_SIZE), torch.float32,
+    model = load_model(ensure_model(a.model), create_backend("sdpa", BLOCK_SIZE), torch.float32,
                        torch.device("cpu"))
     backends = {name: create_backend(name, BLOCK_SIZE) for name in BACKENDS}
     shapes = [(f"equal {a.batch} x {c}", np.full(a.batch, int(c))) for c in a.contexts.split(",") if c]
     shapes.append((f"skewed 1 x {a.long} + {a.batch - 1} x {a.short}",
                    np.array([a.long] + [a.short] * (a.batch - 1))))
     out = sys.stdout
-    out.write(f"medium model, fp32, {a.threads} threads, decode step of {a.batch} rows, median of {a.repeats}\n")
+    out.write(f"{a.model} model, fp32, {a.threads} threads, decode step of {a.batch} rows, median of {a.repeats}\n")
     out.write("| shape | attention sdpa ms | attention paged ms | speed-up "
               "| step sdpa ms | step paged ms | speed-up |\n")
     out.write("| --- | --- | --- | --- | --- | --- | --- |\n")
