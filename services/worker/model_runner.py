@@ -32,6 +32,7 @@ from services.worker.round_stops import Aborts, RoundRows, StopTable
 from services.worker.sampler import Sampler
 from services.worker.sampling_state import SamplingMetadata, SamplingState
 from services.worker.step_output import HostCopier, SampledStep
+from services.worker.step_phases import StepPhases
 from shared.errors import InvalidArgumentError
 from shared.execute import ExecuteRound
 
@@ -70,6 +71,7 @@ class ModelRunner:
         # Structured output (grammar matchers, compiled-grammar cache) outlives Execute streams.
         self.grammar_state = GrammarState(model_dir, vocab_size, eos_token_ids, device)
         self.aborts = Aborts()
+        self.phases = StepPhases()  # exposed as spindle:worker_step_phase_seconds_total
         self.reset()
 
     def reset(self) -> None:
@@ -94,6 +96,7 @@ class ModelRunner:
 
     def execute_round(self, round_: ExecuteRound, on_step: Callable[[SampledStep], None]) -> None:
         """Run `round_.num_steps` forward passes; call `on_step` once per step, in order."""
+        self.phases.start()
         if round_.pooling_requests:
             raise InvalidArgumentError(
                 "this worker serves a generative model; it cannot run pooling requests"
@@ -112,7 +115,9 @@ class ModelRunner:
         num_steps = max(round_.num_steps, 1)
         with torch.inference_mode():
             if self.encoder_cache is not None:
+                self.phases.mark("prepare")
                 self._prepare_encoder(round_)
+                self.phases.mark("encode")
             self._run_steps(round_.round_id, num_steps, rows, num_scheduled, on_step)
 
     def _run_steps(
@@ -131,6 +136,7 @@ class ModelRunner:
         sampled: torch.Tensor | None = None
         pending: SampledStep | None = None
         starts = self.states.num_computed_tokens[rows].copy()  # step 0's first position per row (images)
+        phases = self.phases
         for step in range(num_steps):
             if step == 0:
                 inputs = self.input_builder.build(rows, num_scheduled) if len(rows) else None
@@ -148,10 +154,13 @@ class ModelRunner:
             else:
                 inputs = None  # nothing left to compute in this round: an empty step
             out = SampledStep(round_id, step, step == num_steps - 1, request_ids, live=samplers.live)
+            phases.mark("prepare")
             if inputs is not None:
                 hidden = self._forward(inputs, rows, num_scheduled, starts if step == 0 else None)
+                phases.mark("forward")
                 if metadata is not None:
                     logits = self.model.compute_logits(hidden[inputs.logits_indices])
+                    phases.mark("logits")
                     grammar_mask = None
                     if self.grammar_state.active:
                         if pending is not None:  # the matchers need the previous step's tokens first
@@ -163,6 +172,7 @@ class ModelRunner:
                     out.rows = inputs.sample_rows
                     self.copier.start(result, out, metadata.num_logprobs)
                     samplers.sampled()
+                    phases.mark("sample")
             if pending is not None:
                 self._deliver(pending, on_step)
                 pending = None
@@ -170,8 +180,10 @@ class ModelRunner:
                 self._deliver(out, on_step)
             else:
                 pending = out
+            phases.mark("deliver")
         if pending is not None:
             self._deliver(pending, on_step)
+            phases.mark("deliver")
         self.sampling_state.record_round(samplers.rows, samplers.num_sampled)
 
     def _start_round(self, rows: np.ndarray, num_scheduled: np.ndarray) -> tuple[RoundRows, np.ndarray, np.ndarray]:

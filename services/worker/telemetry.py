@@ -16,6 +16,7 @@ import time
 from opentelemetry.trace import Link, SpanContext
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.worker.step_phases import StepPhaseCollector, StepPhases
 from shared.execute import ExecuteRound
 from shared.metrics import LATENCY_BUCKETS
 from shared.tracing import Span, SpanKind, Tracing
@@ -42,6 +43,12 @@ class WorkerMetrics:
                                           buckets=STEP_BUCKETS, registry=r)
         self.encoder_cache_tokens = Gauge("spindle:worker_encoder_cache_tokens",
                                           "Feature tokens of image encoder outputs the worker holds", registry=r)
+        self._step_phases = StepPhaseCollector(StepPhases())  # zeros until a runner reports its own
+        r.register(self._step_phases)
+
+    def report_step_phases(self, phases: StepPhases) -> None:
+        """Expose these phase totals (the model runner's, step_phases.py) from now on."""
+        self._step_phases.phases = phases
 
 
 class RoundTrace:

@@ -155,3 +155,8 @@ def test_each_request_is_one_connected_trace_and_metrics_count_it(tiny_models: d
     assert _sum(worker, "spindle:worker_ready") == 1
     assert _sum(worker, "spindle:worker_step_duration_seconds_count") >= MAX_TOKENS
     assert _sum(worker, "spindle:worker_round_duration_seconds_count") > 0
+    # Where the steps' time went (step_phases.py): every text-model phase ran, inside the rounds.
+    phases = {p: _sum(worker, "spindle:worker_step_phase_seconds_total", phase=p)
+              for p in ("prepare", "forward", "logits", "sample", "deliver")}
+    assert all(seconds > 0 for seconds in phases.values()), phases
+    assert sum(phases.values()) <= _sum(worker, "spindle:worker_round_duration_seconds_sum")
