@@ -2,8 +2,8 @@
 
 Why: the step histogram says how long a step takes, not why, and on a CPU shared with the host
 services the why decides what to work on: the model, the Python around it, or the hand-off of
-a step's tokens to the event loop (measured on a 2-core host at 64 streams: 1.3-2.8 ms of a
-~21 ms step in `deliver`, where the event loop thread, woken to send the tokens, took the
+a step's tokens to the event loop (measured on a 2-core host at 64 streams: 0.5-2.8 ms of an
+18-21 ms step in `deliver`, where the event loop thread, woken to send the tokens, took the
 compute thread's core while the other OpenMP thread spun on the other one; in process, 0.1 ms).
 
 The compute thread adds each phase's seconds to a plain float: two clock reads and an add per
