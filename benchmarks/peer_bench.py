@@ -31,8 +31,9 @@ import math
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from benchmarks.limit import machine_cores
 from benchmarks.load_client import LoadConfig, LoadRun, run_with_warmup, warmup_spec
@@ -42,7 +43,9 @@ from benchmarks.peer_report import SPINDLE, SWEEP, TABLE, PeerRow, format_report
 from benchmarks.peer_servers import PEERS, VLLM, ServeShape, peer_server
 from benchmarks.report import machine_info
 from benchmarks.roofline import MachineLimits
+from benchmarks.soak_probe import metric_samples
 from benchmarks.workload import BenchRequest, WorkloadSpec, build_workload
+from shared.ports import free_port
 from shared.tiny_models import TinyModelSpec
 
 logger = logging.getLogger("benchmarks.peer_bench")
@@ -201,6 +204,22 @@ def _row(job: PeerJob, limits: MachineLimits, run: LoadRun | None = None, error:
                    limits, run.summary if run is not None else None, steady, error)
 
 
+def worker_step_phases_ms(port: int) -> dict[str, float] | None:
+    """ms per worker step in each phase (services/worker/step_phases.py), read from the worker's
+    /metrics at `port`; None (logged) when it cannot be read or ran no step."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except OSError as exc:
+        logger.warning("worker metrics on port %d unreadable: %s", port, exc)
+        return None
+    steps = sum(v for _, v in metric_samples(text, "spindle:worker_step_duration_seconds_count"))
+    if steps <= 0:
+        return None
+    return {labels["phase"]: seconds / steps * 1e3
+            for labels, seconds in metric_samples(text, "spindle:worker_step_phase_seconds_total")}
+
+
 def run_job(job: PeerJob, settings: PeerBenchSettings, limits: MachineLimits, stem: str,
             spindle_has_weight_dtype: bool) -> PeerRow:
     """Serve `job`'s model on a fresh server and time its workload; a failure becomes a row with the error."""
@@ -212,9 +231,12 @@ def run_job(job: PeerJob, settings: PeerBenchSettings, limits: MachineLimits, st
             return _row(job, limits, error=f"missing: spindle serve has no {WEIGHT_DTYPE_FLAG} yet")
         from benchmarks.spindle_server import spindle_server
 
-        with spindle_server(model_dir, *spindle_serve_args(job, settings), num_threads=settings.num_threads,
-                            log_path=log_path, timeout_s=settings.server_timeout_s) as server:
-            return _row(job, limits, _drive(job, settings, server.http_url, server.model_name))
+        metrics_port = free_port(count=3)  # frontend, scheduler, worker (+2)
+        with spindle_server(model_dir, *spindle_serve_args(job, settings), "--metrics-port", str(metrics_port),
+                            num_threads=settings.num_threads, log_path=log_path,
+                            timeout_s=settings.server_timeout_s) as server:
+            row = _row(job, limits, _drive(job, settings, server.http_url, server.model_name))
+            return replace(row, step_phases_ms=worker_step_phases_ms(metrics_port + 2))
     with peer_server(job.server, model_dir, job.dtype, serve_shape(job, settings.num_threads), log_path,
                      settings.server_timeout_s) as peer:
         return _row(job, limits, _drive(job, settings, peer.base_url, peer.model_name))
@@ -249,6 +271,9 @@ def run_all(settings: PeerBenchSettings, stem: str) -> tuple[MachineLimits, list
             logger.info("    %.1f out tok/s, ITL p50 %.2f ms p99 %.2f ms, %d failed%s", s.output_throughput,
                         s.itl.p50_ms, s.itl.p99_ms, s.num_failed,
                         f", steady ITL p50 {row.steady_itl.p50_ms:.2f} ms" if row.steady_itl else "")
+        if row.step_phases_ms:
+            logger.info("    worker step, ms per phase: %s",
+                        ", ".join(f"{phase} {ms:.2f}" for phase, ms in row.step_phases_ms.items()))
         rows.append(row)
     return limits, rows
 

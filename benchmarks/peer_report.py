@@ -54,6 +54,8 @@ class PeerRow:
         summary: the load client's figures; None when the run failed or was not possible.
         steady_itl: SWEEP only: output gaps while every stream decoded (metrics.steady_state_itls).
         error: why there are no figures ("missing: ..." when the configuration does not exist yet).
+        step_phases_ms: spindle only: ms per worker step in each phase, from the worker's
+            spindle:worker_step_phase_seconds_total scraped after the run (services/worker/step_phases.py).
     """
 
     part: str
@@ -67,6 +69,7 @@ class PeerRow:
     summary: LoadSummary | None = None
     steady_itl: LatencyStats | None = None
     error: str | None = None
+    step_phases_ms: dict[str, float] | None = None
 
     @property
     def throughput(self) -> float | None:
@@ -228,6 +231,21 @@ def format_sweep_table(rows: Sequence[PeerRow]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def format_phase_table(rows: Sequence[PeerRow]) -> str:
+    """spindle's worker step, ms per phase, for every run that reported them; "" when none did."""
+    measured = [r for r in rows if r.step_phases_ms]
+    if not measured:
+        return ""
+    phases = list(dict.fromkeys(p for r in measured for p in r.step_phases_ms or {}))
+    header = ["part", "weights", "model", "streams", "context", *phases, "sum"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in measured:
+        ms = r.step_phases_ms or {}
+        lines.append("| " + " | ".join([r.part, r.dtype, r.model, str(r.concurrency), str(r.prompt_len),
+                                        *(f"{ms.get(p, 0.0):.2f}" for p in phases), f"{sum(ms.values()):.2f}"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def format_limits(rows: Sequence[PeerRow]) -> str:
     """The machine limits each run measured (one line per distinct measurement)."""
     seen = dict.fromkeys(r.limits for r in rows)
@@ -244,6 +262,10 @@ def format_report(rows: Sequence[PeerRow]) -> str:
     if any(r.part == SWEEP for r in rows):
         parts += ["\n## Decode step time as contexts grow (steady-state ITL p50: every stream decoding, "
                   "no prefill in the step)\n\n", format_sweep_table(rows)]
+    phase_table = format_phase_table(rows)
+    if phase_table:
+        parts += ["\n## Where spindle's worker steps spent their time (ms per step, prefill steps included)\n\n",
+                  phase_table]
     return "".join(parts)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,19 @@ def test_json_round_trip_merges_runs(tmp_path: Path) -> None:
     write_json(tmp_path / "c.json", {"timestamp": "c"}, rerun)
     merged = read_rows([tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"])
     assert merged == [first[0], rerun[0], *second]  # the later file's row replaces the failed one in place
+
+
+def test_spindles_step_phases_get_their_own_table_and_survive_json(tmp_path: Path) -> None:
+    phases = {"prepare": 0.61, "forward": 0.74, "logits": 0.27, "sample": 0.05, "deliver": 0.44}
+    rows = [replace(_row(SPINDLE, 330.0), step_phases_ms=phases), _row("llama-cpp", 700.0)]
+    report = format_report(rows)
+    assert "## Where spindle's worker steps spent their time" in report
+    header = "| part | weights | model | streams | context | prepare | forward | logits | sample | deliver | sum |"
+    assert header in report
+    assert "| table | float32 | small | 1 | 128 | 0.61 | 0.74 | 0.27 | 0.05 | 0.44 | 2.11 |" in report
+    assert "spent their time" not in format_report(rows[1:])  # no phases, no section
+    write_json(tmp_path / "a.json", {"timestamp": "a"}, rows)
+    assert read_rows([tmp_path / "a.json"]) == rows
 
 
 def test_plots_are_written(tmp_path: Path) -> None:
