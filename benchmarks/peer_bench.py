@@ -31,7 +31,6 @@ import math
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
@@ -43,7 +42,7 @@ from benchmarks.peer_report import SPINDLE, SWEEP, TABLE, PeerRow, format_report
 from benchmarks.peer_servers import PEERS, VLLM, ServeShape, peer_server
 from benchmarks.report import machine_info
 from benchmarks.roofline import MachineLimits
-from benchmarks.soak_probe import metric_samples
+from benchmarks.soak_probe import metric_samples, read_metrics
 from benchmarks.workload import BenchRequest, WorkloadSpec, build_workload
 from shared.ports import free_port
 from shared.tiny_models import TinyModelSpec
@@ -208,8 +207,7 @@ def worker_step_phases_ms(port: int) -> dict[str, float] | None:
     """ms per worker step in each phase (services/worker/step_phases.py), read from the worker's
     /metrics at `port`; None (logged) when it cannot be read or ran no step."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-            text = resp.read().decode()
+        text = read_metrics(port)
     except OSError as exc:
         logger.warning("worker metrics on port %d unreadable: %s", port, exc)
         return None

@@ -9,6 +9,7 @@ GetSchedulerInfo, and requests in flight from the frontend's /metrics.
 
 from __future__ import annotations
 
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,12 @@ def rss_bytes(pid: int) -> int:
     except OSError:
         pass
     return 0
+
+
+def read_metrics(port: int) -> str:
+    """The Prometheus text a local service serves at /metrics on `port` (blocking; raises OSError)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        return resp.read().decode()
 
 
 def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:

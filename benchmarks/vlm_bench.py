@@ -35,7 +35,6 @@ import logging
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -48,7 +47,7 @@ from benchmarks.load_client import LoadConfig, _cached_tokens, run_with_warmup
 from benchmarks.metrics import LatencyStats, RequestResult
 from benchmarks.models import REPO
 from benchmarks.report import format_ms, machine_info
-from benchmarks.soak_probe import metric_samples
+from benchmarks.soak_probe import metric_samples, read_metrics
 from shared.ports import free_port
 from shared.tiny_vlm import TinyVlmSpec, build_vlm
 
@@ -188,8 +187,7 @@ async def send_chat(session: aiohttp.ClientSession, config: LoadConfig, request:
 
 def scrape_counters(port: int) -> dict[str, float]:
     """The scheduler's counters of SCHEDULER_COUNTERS, summed over workers."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
+    text = read_metrics(port)
     return {key: sum(v for _, v in metric_samples(text, name)) for key, name in SCHEDULER_COUNTERS.items()}
 
 
