@@ -32,10 +32,12 @@ from typing import TYPE_CHECKING
 from benchmarks.embed_client import ENCODING_FORMATS, EmbedBatch, EmbeddingSender, make_batches
 from benchmarks.embed_report import ST, EmbedRow, failed_row, format_table, row_from_load, rows_to_json
 from benchmarks.limit import machine_cores
-from benchmarks.load_client import LoadConfig, LoadRun, run_load
+from benchmarks.load_client import LoadConfig, run_load
 from benchmarks.models import REPO
 from benchmarks.report import machine_info
+from benchmarks.soak_probe import worker_phase_seconds
 from benchmarks.workload import english_like_sentences
+from shared.ports import free_port
 
 if TYPE_CHECKING:
     import numpy as np
@@ -186,22 +188,30 @@ def _run_spindle(job: Job, ctx: EmbedContext) -> EmbedRow:
     warmup = make_batches(ctx.warmup_sentences[:n], ctx.warmup_counts[:n], job.sentences_per_request)
     sender = EmbeddingSender(encoding_format=s.encoding_format, reference=ctx.reference)
     log_path = RESULTS_DIR / f"embed-{ctx.stem}-{job.config}-c{job.concurrency}.log"
-    with spindle_server(Path(s.model_dir), *s.spindle_args, num_threads=s.num_threads, log_path=log_path,
-                        timeout_s=s.server_timeout_s) as server:
+    metrics_port = free_port(count=3)  # frontend, scheduler, worker (+2)
+    with spindle_server(Path(s.model_dir), *s.spindle_args, "--metrics-port", str(metrics_port),
+                        num_threads=s.num_threads, log_path=log_path, timeout_s=s.server_timeout_s) as server:
         config = LoadConfig(base_url=server.http_url, model=server.model_name, concurrency=job.concurrency,
                             seed=s.seed, timeout_s=s.request_timeout_s)
-        run = asyncio.run(_warm_then_time(config, batches, warmup, sender))
-    return row_from_load(job.config, job.concurrency, job.sentences_per_request, batches, run, sender.min_cosine)
+        asyncio.run(_warm(config, warmup, sender.encoding_format))
+        before = worker_phase_seconds(metrics_port + 2)
+        run = asyncio.run(run_load(config, batches, sender))
+        after = worker_phase_seconds(metrics_port + 2)
+    row = row_from_load(job.config, job.concurrency, job.sentences_per_request, batches, run, sender.min_cosine)
+    if before is None or after is None or run.summary.duration_s <= 0:
+        return row
+    busy = {phase: (seconds - before[0].get(phase, 0.0)) / run.summary.duration_s
+            for phase, seconds in after[0].items()}
+    logger.info("    worker busy: %s", ", ".join(f"{phase} {share:.1%}" for phase, share in busy.items() if share > 0))
+    return replace(row, worker_busy=busy)
 
 
-async def _warm_then_time(config: LoadConfig, batches: Sequence[EmbedBatch], warmup: Sequence[EmbedBatch],
-                          sender: EmbeddingSender) -> LoadRun:
-    """Warmup through a sender without reference vectors (they are other sentences), then the timed run."""
-    warm = await run_load(replace(config, show_progress=False), warmup, EmbeddingSender(sender.encoding_format))
+async def _warm(config: LoadConfig, warmup: Sequence[EmbedBatch], encoding_format: str) -> None:
+    """Untimed requests on other sentences (no reference vectors): connections, threads and caches warm."""
+    warm = await run_load(replace(config, show_progress=False), warmup, EmbeddingSender(encoding_format))
     if warm.summary.num_failed:
         logger.warning("%d of %d warmup requests failed: %s", warm.summary.num_failed, len(warmup),
                        warm.summary.errors)
-    return await run_load(config, batches, sender)
 
 
 JOB_RUNNERS: dict[str, Callable[[Job, EmbedContext], EmbedRow]] = {

@@ -35,6 +35,8 @@ class EmbedRow:
         errors: the first few distinct failure texts.
         min_cosine: lowest cosine between a vector and sentence-transformers' for the same sentence.
         error: why the whole configuration could not run (then the figures are zeros).
+        worker_busy: spindle only: the share of the timed run's wall time the worker spent in each
+            step phase (services/worker/step_phases.py); what is left, it waited for rounds.
     """
 
     config: str
@@ -49,6 +51,7 @@ class EmbedRow:
     errors: tuple[str, ...] = field(default=())
     min_cosine: float | None = None
     error: str | None = None
+    worker_busy: dict[str, float] | None = None
 
     @property
     def sentences_per_s(self) -> float:
@@ -100,6 +103,27 @@ def format_table(rows: Sequence[EmbedRow]) -> str:
                      format_ms(row.latency.p99_ms) if row.latency else "", "" if ratio is None else f"{ratio:.2f}",
                      "" if row.min_cosine is None else f"{row.min_cosine:.5f}", "; ".join(notes)]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n" + format_worker_busy(rows)
+
+
+def format_worker_busy(rows: Sequence[EmbedRow]) -> str:
+    """Where the worker's time went in each spindle row, as shares of the run's wall time ("" if unmeasured).
+
+    The idle share is the time the worker waited for its next round: what the frontend, the
+    scheduler and the transport between them cost the model.
+    """
+    measured = [r for r in rows if r.worker_busy]
+    if not measured:
+        return ""
+    phases = [p for p in dict.fromkeys(p for r in measured for p in r.worker_busy or {})
+              if any((r.worker_busy or {}).get(p, 0.0) > 0 for r in measured)]
+    lines = ["", "Worker time by step phase, share of the run's wall time:", "",
+             "| config | conc | " + " | ".join(phases) + " | idle |", "|---|---|" + "---|" * (len(phases) + 1)]
+    for r in measured:
+        busy = r.worker_busy or {}
+        idle = max(0.0, 1.0 - sum(busy.values()))
+        lines.append(f"| {r.config} | {r.concurrency} | " + " | ".join(f"{busy.get(p, 0.0):.1%}" for p in phases)
+                     + f" | {idle:.1%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -116,5 +140,6 @@ def rows_to_json(rows: Sequence[EmbedRow]) -> list[dict[str, object]]:
                 "p99": row.latency.p99_ms},
             "num_failed_requests": row.num_failed_requests, "errors": list(row.errors),
             "min_cosine_vs_st": row.min_cosine, "ratio_vs_st": ratio_to_st(row, rows), "error": row.error,
+            "worker_busy": row.worker_busy,
         })
     return out

@@ -42,7 +42,7 @@ from benchmarks.peer_report import SPINDLE, SWEEP, TABLE, PeerRow, format_report
 from benchmarks.peer_servers import PEERS, VLLM, ServeShape, peer_server
 from benchmarks.report import machine_info
 from benchmarks.roofline import MachineLimits
-from benchmarks.soak_probe import metric_samples, read_metrics
+from benchmarks.soak_probe import worker_phase_seconds
 from benchmarks.workload import BenchRequest, WorkloadSpec, build_workload
 from shared.ports import free_port
 from shared.tiny_models import TinyModelSpec
@@ -205,17 +205,12 @@ def _row(job: PeerJob, limits: MachineLimits, run: LoadRun | None = None, error:
 
 def worker_step_phases_ms(port: int) -> dict[str, float] | None:
     """ms per worker step in each phase (services/worker/step_phases.py), read from the worker's
-    /metrics at `port`; None (logged) when it cannot be read or ran no step."""
-    try:
-        text = read_metrics(port)
-    except OSError as exc:
-        logger.warning("worker metrics on port %d unreadable: %s", port, exc)
+    /metrics at `port`; None when it cannot be read or ran no step."""
+    read = worker_phase_seconds(port)
+    if read is None or read[1] <= 0:
         return None
-    steps = sum(v for _, v in metric_samples(text, "spindle:worker_step_duration_seconds_count"))
-    if steps <= 0:
-        return None
-    return {labels["phase"]: seconds / steps * 1e3
-            for labels, seconds in metric_samples(text, "spindle:worker_step_phase_seconds_total")}
+    seconds, steps = read
+    return {phase: total / steps * 1e3 for phase, total in seconds.items()}
 
 
 def run_job(job: PeerJob, settings: PeerBenchSettings, limits: MachineLimits, stem: str,

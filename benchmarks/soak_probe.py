@@ -9,6 +9,7 @@ GetSchedulerInfo, and requests in flight from the frontend's /metrics.
 
 from __future__ import annotations
 
+import logging
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from shared.pb.spindle.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.e2e.faults import flag
 from tests.e2e.server import descendants
+
+logger = logging.getLogger(__name__)
 
 SERVICES = ("frontend", "scheduler", "worker")
 
@@ -70,6 +73,19 @@ def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
     """(labels, value) of every sample of metric `name` in a Prometheus text exposition."""
     return [(sample.labels, sample.value) for family in text_string_to_metric_families(text)
             for sample in family.samples if sample.name == name]
+
+
+def worker_phase_seconds(port: int) -> tuple[dict[str, float], float] | None:
+    """The worker's step phase totals (seconds by phase, services/worker/step_phases.py) and its step
+    count so far, from its /metrics at `port`; None (logged) when that cannot be read."""
+    try:
+        text = read_metrics(port)
+    except OSError as exc:
+        logger.warning("worker metrics on port %d unreadable: %s", port, exc)
+        return None
+    steps = sum(v for _, v in metric_samples(text, "spindle:worker_step_duration_seconds_count"))
+    return ({labels["phase"]: seconds
+             for labels, seconds in metric_samples(text, "spindle:worker_step_phase_seconds_total")}, steps)
 
 
 @dataclass(frozen=True, slots=True)

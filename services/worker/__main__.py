@@ -16,7 +16,6 @@ import grpc
 
 from services.cpu_affinity import add_cpu_cores_argument
 from services.worker.config import DEFAULT_LISTEN, WEIGHT_DTYPES, WorkerConfig
-from services.worker.model_runner import ModelRunner
 from services.worker.round_pipeline import RoundPipeline, compute_thread
 from services.worker.servicer import WorkerServicer
 from services.worker.telemetry import WorkerTelemetry
@@ -178,8 +177,7 @@ async def serve(config: WorkerConfig) -> None:
         await service.server.stop(0)
         raise
     pipeline = RoundPipeline(worker.runner, telemetry, config.fault_fail_round, compute)
-    if isinstance(worker.runner, ModelRunner):  # the pooling runner has no per-step phases
-        telemetry.metrics.report_step_phases(worker.runner.phases)
+    telemetry.metrics.report_step_phases(worker.runner.phases)
     servicer.attach(worker.info, pipeline)
     await service.set_serving([SERVICE_NAME])
     telemetry.metrics.ready.set(1)

@@ -25,6 +25,7 @@ from services.worker.input_builder import TransferPack
 from services.worker.models.bert import EncoderModel
 from services.worker.pooling import PoolingConfig, PoolingMetadata, normalize_rows, pool
 from services.worker.step_output import PooledStep
+from services.worker.step_phases import StepPhases
 from shared.errors import InvalidArgumentError
 from shared.execute import ExecuteRound, PoolingRequestData
 
@@ -78,6 +79,7 @@ class PoolingRunner:
         assert model.attention.backend is backend, "the model was built with another backend"
         self.metadata_builder = model.attention.metadata_builder(device)
         self._pack = TransferPack(device)
+        self.phases = StepPhases()  # exposed as spindle:worker_step_phase_seconds_total
 
     def reset(self) -> None:
         """A new Execute stream: nothing to forget, pooling requests live for one round."""
@@ -92,17 +94,20 @@ class PoolingRunner:
                 f"this worker serves {self.task.name} requests (a prefill-only model); "
                 "it cannot run generate requests"
             )
+        self.phases.start()
         num_steps = max(round_.num_steps, 1)
         step = PooledStep(round_.round_id, 0, num_steps == 1)
         if round_.pooling_requests:
             self._check(round_.round_id, round_.pooling_requests)
             with torch.inference_mode():
                 step.values = self._run(round_.pooling_requests).cpu()
+            self.phases.mark("pool")
             step.request_ids = [r.request_id for r in round_.pooling_requests]
             logger.debug("round %d: pooled %d requests", round_.round_id, len(step.request_ids))
         on_step(step)
         for index in range(1, num_steps):
             on_step(PooledStep(round_.round_id, index, index == num_steps - 1))
+        self.phases.mark("deliver")
 
     def _check(self, round_id: int, requests: list[PoolingRequestData]) -> None:
         """Reject what would fail on the device or be ambiguous in the output (typed errors)."""
@@ -175,7 +180,10 @@ class PoolingRunner:
             query_lens_host=lens,
             seq_lens_host=lens,
         )
-        hidden = self.model(ids, positions, types, self.metadata_builder.build(common, extra_d))
+        metadata = self.metadata_builder.build(common, extra_d)
+        self.phases.mark("prepare")
+        hidden = self.model(ids, positions, types, metadata)
+        self.phases.mark("forward")
         out = self.model.head(pool(hidden, self.pooling.method, PoolingMetadata(qsl, seq_lens, token_to_req)))
         if batch.normalize.any():
             out = normalize_rows(out, normalize.bool())

@@ -16,7 +16,11 @@ the rate of `spindle:worker_step_duration_seconds_sum`, is its share of the step
   forward   the model's forward pass
   logits    the LM head
   sample    sampling (and structured output's token masks)
-  deliver   recording the step's tokens and stops, and handing the step to the event loop
+  pool      pooling, the head and normalisation, vectors copied to the host (prefill-only models)
+  deliver   recording the step's tokens and stops (or vectors), and handing the step to the event loop
+
+A decoder's runner fills prepare through sample; a prefill-only model's (pooling_runner.py)
+fills prepare (packing the batch), forward, pool and deliver.
 
 Time between rounds (waiting for the next one) is in no phase. On CUDA the phases time the
 host: kernel launches, with the wait for a step's tokens in `deliver`.
@@ -30,7 +34,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-PHASES = ("prepare", "encode", "forward", "logits", "sample", "deliver")
+PHASES = ("prepare", "encode", "forward", "logits", "sample", "pool", "deliver")
 METRIC = "spindle:worker_step_phase_seconds"
 
 

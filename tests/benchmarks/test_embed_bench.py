@@ -152,6 +152,17 @@ def test_rows_ratio_and_table() -> None:
     assert data[1]["ratio_vs_st"] == pytest.approx(0.5) and data[0]["latency_ms"] is None
 
 
+def test_worker_busy_section_shows_phase_shares_and_idle() -> None:
+    busy = {"prepare": 0.02, "encode": 0.0, "forward": 0.7, "pool": 0.005, "deliver": 0.001}
+    rows = [EmbedRow(ST, 32, 32, 100, 100, 2.0, 10_000),
+            EmbedRow(SPINDLE, 256, 1, 100, 100, 1.5, 10_000, worker_busy=busy)]
+    table = format_table(rows)
+    assert "| config | conc | prepare | forward | pool | deliver | idle |" in table  # phases never used left out
+    assert "| spindle | 256 | 2.0% | 70.0% | 0.5% | 0.1% | 27.4% |" in table
+    assert rows_to_json(rows)[1]["worker_busy"] == busy
+    assert "step phase" not in format_table(rows[:1])  # nothing measured, no section
+
+
 def test_plan_puts_sentence_transformers_first() -> None:
     settings = EmbedSettings(model_dir="m", concurrencies=(1, 32), batch_size=16, batch_concurrencies=(2,),
                              configs=(SPINDLE_BATCHED, SPINDLE, ST))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -79,6 +80,18 @@ def test_same_input_pools_the_same_alone_or_in_a_batch(minilm_worker: Worker) ->
     batch = [_embed("a", 30), _embed("x", 9), _embed("b", 2)]
     together = _run(minilm_worker, ExecuteRound(1, pooling_requests=batch))[0].pooled["x"]
     assert together == pytest.approx(alone, abs=1e-5)
+
+
+def test_pooled_rounds_fill_their_step_phases(minilm_worker: Worker) -> None:
+    phases = minilm_worker.runner.phases
+    before = dict(phases.totals)
+    start = time.perf_counter()
+    _run(minilm_worker, ExecuteRound(3, num_steps=2, pooling_requests=[_embed("a", 40), _embed("b", 7)]))
+    wall = time.perf_counter() - start
+    spent = {p: phases.totals[p] - before[p] for p in phases.totals}
+    assert all(spent[p] > 0 for p in ("prepare", "forward", "pool", "deliver")), spent
+    assert spent["encode"] == spent["logits"] == spent["sample"] == 0.0  # a decoder's phases
+    assert sum(spent.values()) <= wall
 
 
 @pytest.mark.parametrize(

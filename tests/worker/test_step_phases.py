@@ -46,7 +46,7 @@ def test_marks_add_the_time_since_the_last_mark_and_start_skips_the_gap(monkeypa
     clock.now += 0.125
     phases.mark("deliver")
     assert phases.totals == {"prepare": 0.25, "encode": 0.0, "forward": 2.0, "logits": 0.0, "sample": 0.0,
-                             "deliver": 0.125}
+                             "pool": 0.0, "deliver": 0.125}
 
 
 def test_a_scrape_shows_every_phase_and_then_the_runners_totals() -> None:
@@ -71,5 +71,5 @@ def test_a_runners_steps_fill_their_phases(llama_dir: Path) -> None:
     totals = runner.phases.totals
     assert set(totals) == set(PHASES)
     assert all(totals[p] > 0 for p in ("prepare", "forward", "logits", "sample", "deliver")), totals
-    assert totals["encode"] == 0.0  # no images
+    assert totals["encode"] == totals["pool"] == 0.0  # no images; a decoder pools nothing
     assert sum(totals.values()) <= wall  # the toy scheduler's own time between rounds is in no phase
