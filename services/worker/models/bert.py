@@ -14,7 +14,6 @@ import re
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from services.worker.attention import AttentionBackend, LayerAttentionSpec
@@ -80,7 +79,7 @@ class EncoderLayer(nn.Module):
         self.qkv_proj = PrepackedLinear(h, 3 * h)
         self.o_proj = PrepackedLinear(h, h)
         self.attn_norm = nn.LayerNorm(h, eps=eps)
-        self.up_proj = PrepackedLinear(h, config.intermediate_size)
+        self.up_proj = PrepackedLinear(h, config.intermediate_size, gelu=True)  # GELU fused into the GEMM
         self.down_proj = PrepackedLinear(config.intermediate_size, h)
         self.mlp_norm = nn.LayerNorm(h, eps=eps)
         heads, d = config.num_heads, config.head_dim
@@ -92,7 +91,7 @@ class EncoderLayer(nn.Module):
         q, k, v = (t.view(-1, s.num_heads, s.head_dim) for t in self.qkv_proj(x).split(self.hidden_size, -1))
         attn = self.attention.forward(s, q, k, v, meta).reshape(-1, self.hidden_size)
         x = self.attn_norm(self.o_proj(attn) + x)
-        return self.mlp_norm(self.down_proj(F.gelu(self.up_proj(x))) + x)
+        return self.mlp_norm(self.down_proj(self.up_proj(x)) + x)
 
 
 class ClassificationHead(nn.Module):

@@ -11,6 +11,11 @@ The reorder happens at the first forward (after the loader filled the weight) an
 whenever the weight changes (its storage or version counter). Anything else (no oneDNN, another
 dtype or device, a build whose packed result does not reproduce `F.linear` on a probe) keeps
 `F.linear`, logged once per layer. Parameter names are `nn.Linear`'s, so checkpoints load unchanged.
+
+`PrepackedLinear(..., gelu=True)` returns exact (erf) GELU of the projection, applied by oneDNN
+as a post-op on each output tile while it is in cache: at BERT's MLP shape (7,600 rows, 384 ->
+1,536) the GEMM took 69-71 ms, with `F.gelu` after it 89-90 ms, fused 81-82 ms (2-core AMD EPYC;
+max difference from `F.gelu` 4e-6).
 """
 
 from __future__ import annotations
@@ -49,7 +54,11 @@ def _reorder(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | 
     return packed
 
 
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                   gelu: bool = False) -> torch.Tensor:
+    """oneDNN's GEMM on the packed weight; `gelu`: exact (erf, oneDNN's algorithm "none") GELU fused as a post-op."""
+    if gelu:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "gelu", [], "none")
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -70,21 +79,25 @@ class OneDnnWeight:
             self._packed_for = key
         return self.packed
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """F.linear(x, weight, bias), through oneDNN where the weight packs and x is CPU float32."""
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               gelu: bool = False) -> torch.Tensor:
+        """F.linear(x, weight, bias) (then exact GELU where `gelu`), through oneDNN where the weight
+        packs and x is CPU float32."""
         packed = self.get(weight, bias)
         if packed is None or x.dtype != torch.float32 or x.device.type != "cpu":
-            return F.linear(x, weight.to(x.dtype), bias)  # a no-op unless the weight is stored narrower
+            y = F.linear(x, weight.to(x.dtype), bias)  # the cast is a no-op unless the weight is stored narrower
+            return F.gelu(y) if gelu else y
         rows = x.reshape(-1, x.shape[-1])
-        return _packed_linear(rows, packed, bias).view(*x.shape[:-1], weight.shape[0])
+        return _packed_linear(rows, packed, bias, gelu).view(*x.shape[:-1], weight.shape[0])
 
 
 class PrepackedLinear(nn.Linear):
-    """nn.Linear; CPU float32 inputs run through oneDNN on a weight reordered once."""
+    """nn.Linear (then exact GELU where `gelu`); CPU float32 inputs run through oneDNN on a weight reordered once."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, gelu: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.onednn = OneDnnWeight()
+        self.gelu = gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.onednn.linear(x, self.weight, self.bias)
+        return self.onednn.linear(x, self.weight, self.bias, self.gelu)
