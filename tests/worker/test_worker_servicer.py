@@ -175,15 +175,17 @@ async def test_the_model_loads_on_the_thread_that_runs_rounds(monkeypatch: pytes
     """One OpenMP team per process: loading on another thread than the rounds' made every
     parallel op of every step wait for a sleeping thread (round_pipeline.py)."""
     import threading
+    from types import SimpleNamespace
 
     from services.worker import __main__ as worker_main
+    from services.worker.step_phases import StepPhases
 
     threads: dict[str, int] = {}
 
     class FakeWorker:
         def __init__(self, config: WorkerConfig) -> None:
             threads["load"] = threading.get_ident()
-            self.runner, self.info = object(), None
+            self.runner, self.info = SimpleNamespace(phases=StepPhases()), None
 
     pipelines: list[object] = []
 
