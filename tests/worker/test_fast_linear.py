@@ -32,6 +32,23 @@ def test_kernel_equals_f_linear(rows: int, out_features: int, in_features: int, 
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_one_row_is_the_same_at_any_thread_count(threads: int) -> None:
+    """Output features are split across torch's threads: every feature is computed exactly once,
+    the same way, whatever the split."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 96, generator=gen)
+    weight, bias = torch.randn(1001, 96, generator=gen), torch.randn(1001, generator=gen)  # 1001: uneven shares
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = torch.ops.spindle.linear_small_m(x, weight, bias)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    assert torch.equal(got, torch.ops.spindle.linear_small_m(x, weight, bias))  # bit for bit at the default count
+
+
 def test_fast_linear_routes_by_the_calibrated_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
     layer = FastLinear(48, 24)
     calls = []
