@@ -57,9 +57,8 @@ def _reorder(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                    gelu: bool = False) -> torch.Tensor:
     """oneDNN's GEMM on the packed weight; `gelu`: exact (erf, oneDNN's algorithm "none") GELU fused as a post-op."""
-    if gelu:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "gelu", [], "none")
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    attr, algorithm = ("gelu", "none") if gelu else ("none", "")
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, attr, [], algorithm)
 
 
 class OneDnnWeight:
