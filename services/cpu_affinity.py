@@ -10,31 +10,40 @@ others. Placement decides which cores each process may use:
               and scheduler stay unpinned.
   * isolate   frontend and scheduler get the last core, the workers split the others (one
               thread per core, bound); with fewer cores than workers + 1 it is `spread`.
+  * share     `spread`, and frontend and scheduler pinned to the last core, which they share
+              with the last worker's last thread (the first thread, which also runs the
+              worker's Python, keeps its core to itself).
   * an explicit map: `workers=0-5;host=6-7` (workers split 0-5), or per worker
               `w0=0-2;w1=3-5;host=6` (w<i> for each worker, all or none).
   * auto      the policy that measured best, below.
 
-Measured on a 2-core AMD EPYC (Zen 3), medium model (hidden 1024, 8 layers, fp32), 128 prompt
-+ 64 output tokens, --num-scheduler-steps 8, output tokens/s, one server per run, in two runs of
-`python -m benchmarks.run --models medium --concurrency 1,16 --input-len 128 --output-len 64
---configs spindle --scheduler-steps 8 --spindle-env-variant <name>:SPINDLE_CPU_AFFINITY=<policy>`:
+Measured on a 2-core AMD EPYC (Zen 3, AVX2), fp32, 128 prompt tokens, --num-scheduler-steps 8,
+output tokens/s, a fresh server per cell, policies interleaved in each run of `python -m
+benchmarks.run --models <m> --concurrency <c> --configs spindle --scheduler-steps 8
+--spindle-env-variant off:SPINDLE_CPU_AFFINITY=off --spindle-env-variant
+share:SPINDLE_CPU_AFFINITY=share` (2026-11-26; one pair per run, `workers=0-1;host=1` is `share`
+on two cores):
 
-  policy                     1 stream (runs 1, 2)   16 streams (runs 1, 2)
-  off                         29.2  28.7             88.1  90.3
-  spread                      30.4  27.4             89.7  89.7
-  workers=0-1;host=1          31.2  28.2             88.9  90.3
-  isolate                     20.8   -               43.7   -
+  model, streams, output tokens           off                       share
+  small, 1 stream, 128 (5 runs)           311 310 338 395 345 374   411 412 547 410 480 468
+  medium, 1 stream, 128 (2 runs)          53.9 50.9                 56.4 52.5
+  medium, 64 streams, 128 (2 runs)        219.5 203.8               247.9 216.1
+  small, 16 streams, 128 (2 runs)         1,423 1,268               1,314 1,478
+  small, 64 streams, 128 (4 runs)         1,946 2,019 1,928 1,875   1,536 2,062 1,632 1,815
+  medium, 16 streams, 64, --workers 2     64.4 42.8                 140.6 127.5
 
-Setting a core aside for frontend and scheduler (`isolate`) halves a 2-core host's decode
-throughput: they need a few per cent of a core, the worker loses half its GEMM threads. With
-one worker, binding its threads (`spread`, alone or with the host services on the last core)
-is within 1-3 % of `off` on average, less than one configuration's own run-to-run spread
-(27.4-30.4 at one stream): on this host, placement of one worker is a wash.
-With --workers 2 (run 3: the same with --concurrency 16 --spindle-arg=--workers --spindle-arg=2):
-off 82.4, spread 69.5 (-16 %): confined to
-one core each, a worker cannot use the other's core while that one waits for its next round,
-which unpinned workers do. So `auto` is `off`: it measured best or tied in every case here;
-`spread` and maps stay for hosts where processes must not share cores (other tenants, NUMA).
+Unpinned, the host services and the load land on any core, and a worker's first thread (the
+one that also runs its Python between parallel ops) loses its core as often as the others;
+with `share` only the last thread shares a core, and nothing migrates. One stream of the small
+model, where a step is ~1 ms and the services' ~1.5 ms of CPU a token matter most, gains 20-40 %
+and its ITL p99 falls from 9-10.5 ms to 6.5-7.7; the medium model gains 3-13 %; two unpinned
+workers each run two threads on two cores and fight (2-3x slower). Only the small model at 64
+streams, where the services (and the benchmark's own load client) need most CPU, lost: 9 % on
+average over four runs, two of them within noise. So `auto` is `share`. Older figures (before the
+one-call layer stack, slower steps): with one worker, `off`, `spread` and `workers=0-1;host=1`
+tied within run-to-run noise. `isolate` halves a 2-core host's decode throughput: the services
+need a fraction of a core, the worker loses half its threads. `spread`, `isolate` and maps stay
+for hosts where processes must not share cores (other tenants, NUMA).
 
 With --workers N the workers never share a core while there are at least N cores; with fewer,
 worker i gets core i mod the number of cores. Pinning uses os.sched_setaffinity on the process
@@ -52,8 +61,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-POLICIES = ("off", "spread", "isolate", "auto")
-AUTO_POLICY = "off"
+POLICIES = ("off", "spread", "isolate", "share", "auto")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +120,9 @@ def split_cores(cores: Sequence[int], num_workers: int) -> tuple[tuple[int, ...]
     return tuple(shares)
 
 
+AUTO_POLICY = "share"  # what `auto` means: the policy that measured best (above)
+
+
 def plan_cores(spec: str, num_workers: int, cores: Sequence[int]) -> CorePlan:
     """The placement `spec` (a policy or an explicit map) asks for, on the `cores` this process may use."""
     spec = spec.strip()
@@ -122,6 +133,8 @@ def plan_cores(spec: str, num_workers: int, cores: Sequence[int]) -> CorePlan:
         return CorePlan(((),) * num_workers)
     if spec == "spread":
         return CorePlan(split_cores(cores, num_workers))
+    if spec == "share":
+        return CorePlan(split_cores(cores, num_workers), cores[-1:])
     if spec == "isolate":
         if len(cores) < num_workers + 1:
             return CorePlan(split_cores(cores, num_workers))

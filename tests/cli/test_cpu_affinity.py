@@ -56,7 +56,12 @@ def test_policies() -> None:
     assert plan_cores("isolate", 2, range(5)) == CorePlan(((0, 1), (2, 3)), (4,))
     # Too few cores to set one aside: the workers keep them all.
     assert plan_cores("isolate", 2, (0, 1)) == CorePlan(((0,), (1,)))
-    assert plan_cores("auto", 2, range(4)) == plan_cores(AUTO_POLICY, 2, range(4))
+    # The workers keep every core; the host services share the last one.
+    assert plan_cores("share", 1, (0, 1)) == CorePlan(((0, 1),), (1,))
+    assert plan_cores("share", 2, range(4)) == CorePlan(((0, 1), (2, 3)), (3,))
+    assert plan_cores("share", 1, (5,)) == CorePlan(((5,),), (5,))
+    for workers in (1, 2, 3):
+        assert plan_cores("auto", workers, range(4)) == plan_cores(AUTO_POLICY, workers, range(4))
 
 
 def test_explicit_maps() -> None:

@@ -40,8 +40,9 @@ def spindle_serve(model_dir: Path, *extra_args: str, timeout_s: float = 180.0,
     http_port, grpc_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
            "--port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", "0", *extra_args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPINDLE_LOG_LEVEL": os.environ.get("SPINDLE_LOG_LEVEL", "WARNING"),
-           **(extra_env or {})}
+    # One torch thread a worker and no pinning: tests share the machine with the oracle they compare against.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPINDLE_CPU_AFFINITY": "off",
+           "SPINDLE_LOG_LEVEL": os.environ.get("SPINDLE_LOG_LEVEL", "WARNING"), **(extra_env or {})}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE)
     server = RunningServer(f"{scheme}://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", model_dir.name, proc)
     try:
