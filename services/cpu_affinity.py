@@ -25,21 +25,25 @@ share:SPINDLE_CPU_AFFINITY=share` (2026-11-26; one pair per run, `workers=0-1;ho
 on two cores):
 
   model, streams, output tokens           off                       share
-  small, 1 stream, 128 (5 runs)           311 310 338 395 345 374   411 412 547 410 480 468
+  small, 1 stream, 128 (7 runs)           311 338 395 345 374 322   411 547 410 480 468 340
+                                          350                       377
   medium, 1 stream, 128 (2 runs)          53.9 50.9                 56.4 52.5
   medium, 64 streams, 128 (2 runs)        219.5 203.8               247.9 216.1
   small, 16 streams, 128 (2 runs)         1,423 1,268               1,314 1,478
-  small, 64 streams, 128 (4 runs)         1,946 2,019 1,928 1,875   1,536 2,062 1,632 1,815
+  small, 64 streams, 128 (6 runs)         1,946 2,019 1,928 1,875   1,536 2,062 1,632 1,815
+                                          1,647 1,921               2,125 2,012
   medium, 16 streams, 64, --workers 2     64.4 42.8                 140.6 127.5
 
 Unpinned, the host services and the load land on any core, and a worker's first thread (the
 one that also runs its Python between parallel ops) loses its core as often as the others;
 with `share` only the last thread shares a core, and nothing migrates. One stream of the small
-model, where a step is ~1 ms and the services' ~1.5 ms of CPU a token matter most, gains 20-40 %
-and its ITL p99 falls from 9-10.5 ms to 6.5-7.7; the medium model gains 3-13 %; two unpinned
-workers each run two threads on two cores and fight (2-3x slower). Only the small model at 64
-streams, where the services (and the benchmark's own load client) need most CPU, lost: 9 % on
-average over four runs, two of them within noise. So `auto` is `share`. Older figures (before the
+model, where a step is ~1 ms and the services' ~1.5 ms of CPU a token matter most, gains 25 %
+on average (every pair, 4-62 %) and its ITL p99 falls from 8.6-10.7 ms to 6.5-8.4; the medium model
+gains 3-13 %; two unpinned workers each run two threads on two cores and fight (2-3x slower).
+Only the small model at 64 streams, where the services (and the benchmark's own load client)
+need most CPU, did not gain: 1,889 against 1,864 on average (-1 %, pairs from -21 % to +29 %),
+its ITL p99 no worse (36-55 ms against 46-56). `spread` (the same binding, services unpinned),
+in the last two runs: 366 / 356 at one stream, 2,123 / 1,739 at 64. So `auto` is `share`. Older figures (before the
 one-call layer stack, slower steps): with one worker, `off`, `spread` and `workers=0-1;host=1`
 tied within run-to-run noise. `isolate` halves a 2-core host's decode throughput: the services
 need a fraction of a core, the worker loses half its threads. `spread`, `isolate` and maps stay
