@@ -7,8 +7,9 @@ rounds built here: every request admitted at once with its blocks allocated up f
 prompts in round 0 (which then decodes `--steps - 1` more tokens, as served), then `--steps`
 decode steps a round until every request has `--output-len` tokens. So served / engine is
 what serving costs, and engine / a peer's server the engine's own speed, when measured
-minutes apart on the same host. Prints decode tokens/s (round 0 excluded) and the worker's
-step phases (ms per step, `spindle:worker_step_phase_seconds` in process).
+minutes apart on the same host. Prints decode tokens/s (round 0 excluded), tokens/s with round
+0 (the prompts all at once: served, they arrive spread out) and the worker's step phases (ms
+per decode step, `spindle:worker_step_phase_seconds` in process).
 
     python -m benchmarks.engine_bench --model small --concurrency 1,64
 """
@@ -37,6 +38,7 @@ from shared.sampling import SamplingOptions
 class EngineRun:
     concurrency: int
     decode_tokens_per_s: float
+    tokens_per_s: float  # every output token over the whole run, the prompts' round included
     num_decode_steps: int
     phase_ms: dict[str, float]  # per decode step
     prompts: list[list[int]]
@@ -74,6 +76,7 @@ def run_engine(runner: ModelRunner, block_size: int, vocab_size: int, concurrenc
         raise SystemExit(f"{concurrency} streams need {needed} KV blocks; the cache has {runner.kv_caches[0].shape[1]}")
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(4, vocab_size, input_len).tolist() for _ in range(concurrency)]
+    start = time.perf_counter()
     decode_start = 0.0
     num_steps = 0
     phases_before: dict[str, float] = {}
@@ -89,10 +92,12 @@ def run_engine(runner: ModelRunner, block_size: int, vocab_size: int, concurrenc
 
         runner.execute_round(round_, on_step)
         num_steps += round_.num_steps if round_.round_id > 0 else 0
-    seconds = time.perf_counter() - decode_start
-    decode_tokens = sum(len(o) for o in outputs.values()) - concurrency * steps  # round 0's excluded
+    end = time.perf_counter()
+    total_tokens = sum(len(o) for o in outputs.values())
+    decode_tokens = total_tokens - concurrency * steps  # round 0's excluded
     phase_ms = {p: (runner.phases.totals[p] - phases_before.get(p, 0.0)) * 1000 / max(num_steps, 1) for p in PHASES}
-    return EngineRun(concurrency, decode_tokens / seconds, num_steps, phase_ms, prompts, list(outputs.values()))
+    return EngineRun(concurrency, decode_tokens / (end - decode_start), total_tokens / (end - start), num_steps,
+                     phase_ms, prompts, list(outputs.values()))
 
 
 def main() -> None:
@@ -113,14 +118,15 @@ def main() -> None:
     assert isinstance(runner, ModelRunner), "the engine bench runs decoder models"
     print(f"engine: {model_dir}, {torch.get_num_threads()} threads, {args.input_len} prompt + {args.output_len} "
           f"output tokens, {args.steps} steps a round")
-    print("| streams | run | decode tok/s | " + " | ".join(f"{p} ms" for p in PHASES if p not in ("encode", "pool"))
-          + " |")
+    shown = [p for p in PHASES if p not in ("encode", "pool")]
+    print("| streams | run | decode tok/s | with the prompts' round | " + " | ".join(f"{p} ms" for p in shown) + " |")
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         for repeat in range(args.repeats):
             run = run_engine(runner, worker.info.block_size, worker.info.vocab_size, concurrency, args.input_len,
                              args.output_len, args.steps, seed=repeat)
-            cells = " | ".join(f"{run.phase_ms[p]:.2f}" for p in PHASES if p not in ("encode", "pool"))
-            print(f"| {concurrency} | {repeat + 1} | {run.decode_tokens_per_s:,.1f} | {cells} |", flush=True)
+            cells = " | ".join(f"{run.phase_ms[p]:.2f}" for p in shown)
+            print(f"| {concurrency} | {repeat + 1} | {run.decode_tokens_per_s:,.1f} | {run.tokens_per_s:,.1f} "
+                  f"| {cells} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ def test_engine_matches_transformers_greedy(tiny_llama: Path) -> None:
                      output_len=10, steps=4)
     assert len(run.outputs) == 3 and all(len(out) == 10 for out in run.outputs)
     assert run.num_decode_steps == 8  # rounds 1 and 2 of 4 steps (round 0: prompt + 3 tokens); 4 + 8 >= 10
-    assert run.decode_tokens_per_s > 0 and run.phase_ms["forward"] > 0
+    assert run.tokens_per_s > 0 and run.decode_tokens_per_s > 0 and run.phase_ms["forward"] > 0
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float32).eval()
     for prompt, output in zip(run.prompts, run.outputs, strict=True):
         expected = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, min_new_tokens=10)
