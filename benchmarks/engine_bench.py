@@ -45,7 +45,7 @@ class EngineRun:
     outputs: list[list[int]]  # each prompt's output tokens
 
 
-def _rounds(runner: ModelRunner, prompts: list[list[int]], output_len: int, steps: int,
+def _rounds(prompts: list[list[int]], output_len: int, steps: int,
             block_size: int) -> Iterator[tuple[ExecuteRound, dict[str, list[int]]]]:
     """Yields each round to run, with the outputs so far (updated by the caller's steps)."""
     per_request = -(-(len(prompts[0]) + output_len + steps) // block_size)
@@ -70,6 +70,8 @@ def _rounds(runner: ModelRunner, prompts: list[list[int]], output_len: int, step
 def run_engine(runner: ModelRunner, block_size: int, vocab_size: int, concurrency: int, input_len: int,
                output_len: int, steps: int, seed: int = 0) -> EngineRun:
     """One workload on a fresh runner state: `concurrency` requests of random prompt tokens."""
+    if output_len <= steps:
+        raise SystemExit(f"--output-len {output_len} must exceed --steps {steps}: round 0 alone would produce it")
     runner.reset()
     needed = concurrency * -(-(input_len + output_len + steps) // block_size)
     if needed > runner.kv_caches[0].shape[1]:
@@ -80,7 +82,7 @@ def run_engine(runner: ModelRunner, block_size: int, vocab_size: int, concurrenc
     decode_start = 0.0
     num_steps = 0
     phases_before: dict[str, float] = {}
-    for round_, outputs in _rounds(runner, prompts, output_len, steps, block_size):
+    for round_, outputs in _rounds(prompts, output_len, steps, block_size):
         if round_.round_id == 1:
             decode_start, phases_before = time.perf_counter(), dict(runner.phases.totals)
 

@@ -41,3 +41,11 @@ def test_engine_refuses_more_streams_than_the_cache_holds(tiny_llama: Path) -> N
     with pytest.raises(SystemExit, match="KV blocks"):
         run_engine(worker.runner, worker.info.block_size, worker.info.vocab_size, concurrency=4096, input_len=64,
                    output_len=64, steps=8)
+
+
+def test_engine_needs_decode_rounds_to_time(tiny_llama: Path) -> None:
+    worker = Worker(WorkerConfig(model=str(tiny_llama), kv_cache_bytes=1 << 20))
+    assert isinstance(worker.runner, ModelRunner)
+    with pytest.raises(SystemExit, match="must exceed"):
+        run_engine(worker.runner, worker.info.block_size, worker.info.vocab_size, concurrency=1, input_len=8,
+                   output_len=4, steps=8)
