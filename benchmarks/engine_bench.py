@@ -46,9 +46,9 @@ class EngineRun:
 
 
 def _rounds(prompts: list[list[int]], output_len: int, steps: int,
-            block_size: int) -> Iterator[tuple[ExecuteRound, dict[str, list[int]]]]:
-    """Yields each round to run, with the outputs so far (updated by the caller's steps)."""
-    per_request = -(-(len(prompts[0]) + output_len + steps) // block_size)
+            per_request: int) -> Iterator[tuple[ExecuteRound, dict[str, list[int]]]]:
+    """Yields each round to run, with the outputs so far (updated by the caller's steps);
+    request k owns KV blocks [k * per_request, (k + 1) * per_request)."""
     sampling = SamplingOptions(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     ids = [f"engine-{i}" for i in range(len(prompts))]
     outputs: dict[str, list[int]] = {i: [] for i in ids}
@@ -73,7 +73,8 @@ def run_engine(runner: ModelRunner, block_size: int, vocab_size: int, concurrenc
     if output_len <= steps:
         raise SystemExit(f"--output-len {output_len} must exceed --steps {steps}: round 0 alone would produce it")
     runner.reset()
-    needed = concurrency * -(-(input_len + output_len + steps) // block_size)
+    per_request = -(-(input_len + output_len + steps) // block_size)  # KV blocks, allocated up front
+    needed = concurrency * per_request
     if needed > runner.kv_caches[0].shape[1]:
         raise SystemExit(f"{concurrency} streams need {needed} KV blocks; the cache has {runner.kv_caches[0].shape[1]}")
     rng = np.random.default_rng(seed)
@@ -82,7 +83,7 @@ def run_engine(runner: ModelRunner, block_size: int, vocab_size: int, concurrenc
     decode_start = 0.0
     num_steps = 0
     phases_before: dict[str, float] = {}
-    for round_, outputs in _rounds(prompts, output_len, steps, block_size):
+    for round_, outputs in _rounds(prompts, output_len, steps, per_request):
         if round_.round_id == 1:
             decode_start, phases_before = time.perf_counter(), dict(runner.phases.totals)
 

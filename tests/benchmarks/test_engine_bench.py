@@ -35,17 +35,14 @@ def test_engine_matches_transformers_greedy(tiny_llama: Path) -> None:
         assert output == expected[0, len(prompt):].tolist()
 
 
-def test_engine_refuses_more_streams_than_the_cache_holds(tiny_llama: Path) -> None:
+@pytest.mark.parametrize(("concurrency", "input_len", "output_len", "steps", "message"), [
+    (4096, 64, 64, 8, "KV blocks"),  # more streams than the cache holds
+    (1, 8, 4, 8, "must exceed"),  # round 0 alone would produce every token: no decode round to time
+])
+def test_engine_refuses_a_workload_it_cannot_run(tiny_llama: Path, concurrency: int, input_len: int,
+                                                 output_len: int, steps: int, message: str) -> None:
     worker = Worker(WorkerConfig(model=str(tiny_llama), kv_cache_bytes=1 << 20))
     assert isinstance(worker.runner, ModelRunner)
-    with pytest.raises(SystemExit, match="KV blocks"):
-        run_engine(worker.runner, worker.info.block_size, worker.info.vocab_size, concurrency=4096, input_len=64,
-                   output_len=64, steps=8)
-
-
-def test_engine_needs_decode_rounds_to_time(tiny_llama: Path) -> None:
-    worker = Worker(WorkerConfig(model=str(tiny_llama), kv_cache_bytes=1 << 20))
-    assert isinstance(worker.runner, ModelRunner)
-    with pytest.raises(SystemExit, match="must exceed"):
-        run_engine(worker.runner, worker.info.block_size, worker.info.vocab_size, concurrency=1, input_len=8,
-                   output_len=4, steps=8)
+    with pytest.raises(SystemExit, match=message):
+        run_engine(worker.runner, worker.info.block_size, worker.info.vocab_size, concurrency=concurrency,
+                   input_len=input_len, output_len=output_len, steps=steps)
