@@ -204,13 +204,17 @@ async def run_load(config: LoadConfig, requests: Sequence[RequestT],
 
 
 async def run_with_warmup(config: LoadConfig, requests: Sequence[RequestT], warmup: Sequence[RequestT] = (),
-                          send: Sender[RequestT] = send_request) -> LoadRun:  # type: ignore[assignment]
-    """Send `warmup` untimed (same concurrency, no bar), then time `requests`."""
+                          send: Sender[RequestT] = send_request,  # type: ignore[assignment]
+                          on_timed_start: Callable[[], None] | None = None) -> LoadRun:
+    """Send `warmup` untimed (same concurrency, no bar), then time `requests`; `on_timed_start`
+    is called between the two (e.g. to read counters that should cover only the timed part)."""
     if warmup:
         warm = await run_load(replace(config, request_rate=math.inf, show_progress=False), warmup, send)
         if warm.summary.num_failed:
             logger.warning("%d of %d warmup requests failed: %s", warm.summary.num_failed, len(warmup),
                            warm.summary.errors)
+    if on_timed_start is not None:
+        on_timed_start()
     return await run_load(config, requests, send)
 
 

@@ -40,6 +40,7 @@ from benchmarks.metrics import LatencyStats, steady_state_itls
 from benchmarks.models import BENCH_MODELS, LONG_SUFFIX, REPO, ensure_model
 from benchmarks.peer_report import SPINDLE, SWEEP, TABLE, PeerRow, format_report, write_json, write_outputs
 from benchmarks.peer_servers import PEERS, VLLM, ServeShape, peer_server
+from benchmarks.process_cpu import CpuReading, cpu_ms_per_token, read_group
 from benchmarks.report import machine_info
 from benchmarks.roofline import MachineLimits
 from benchmarks.soak_probe import worker_phase_seconds
@@ -179,7 +180,10 @@ def serve_shape(job: PeerJob, threads: int) -> ServeShape:
     return ServeShape(slots=job.concurrency, max_model_len=256 * math.ceil(longest / 256), threads=threads)
 
 
-def _drive(job: PeerJob, settings: PeerBenchSettings, base_url: str, model_name: str) -> LoadRun:
+def _drive(job: PeerJob, settings: PeerBenchSettings, base_url: str, model_name: str,
+           pgid: int) -> tuple[LoadRun, dict[str, float] | None]:
+    """Warm up, then time the job's workload; with the CPU per output token of each process of
+    the server's group `pgid` and of the load client over the timed part (process_cpu.py)."""
     spec = WorkloadSpec(kind="random", num_requests=job.num_requests, input_len=job.prompt_len,
                         output_len=job.output_len, vocab_high=BENCH_MODELS[job.model].vocab_size,
                         seed=settings.seed * 1000 + job.concurrency + job.prompt_len)
@@ -191,16 +195,22 @@ def _drive(job: PeerJob, settings: PeerBenchSettings, base_url: str, model_name:
     # A new connection per request for every server alike (load_client.LoadConfig.fresh_connections).
     config = LoadConfig(base_url=base_url, model=model_name, concurrency=job.concurrency, seed=settings.seed,
                         timeout_s=settings.job_budget_s, fresh_connections=True)
-    return asyncio.run(asyncio.wait_for(run_with_warmup(config, requests, warmup), settings.job_budget_s))
+    readings: list[CpuReading] = []
+    run = asyncio.run(asyncio.wait_for(
+        run_with_warmup(config, requests, warmup, on_timed_start=lambda: readings.append(read_group(pgid))),
+        settings.job_budget_s))
+    return run, cpu_ms_per_token(readings[0], read_group(pgid), run.summary.total_output_tokens)
 
 
-def _row(job: PeerJob, limits: MachineLimits, run: LoadRun | None = None, error: str | None = None) -> PeerRow:
+def _row(job: PeerJob, limits: MachineLimits, run: LoadRun | None = None, error: str | None = None,
+         cpu_ms_per_token: dict[str, float] | None = None) -> PeerRow:
     steady = None
     if run is not None and job.part == SWEEP:
         gaps = steady_state_itls(run.results)
         steady = LatencyStats.of(gaps) if gaps else None
     return PeerRow(job.part, job.server, job.model, job.dtype, job.concurrency, job.prompt_len, job.output_len,
-                   limits, run.summary if run is not None else None, steady, error)
+                   limits, run.summary if run is not None else None, steady, error,
+                   cpu_ms_per_token=cpu_ms_per_token)
 
 
 def worker_step_phases_ms(port: int) -> dict[str, float] | None:
@@ -228,11 +238,13 @@ def run_job(job: PeerJob, settings: PeerBenchSettings, limits: MachineLimits, st
         with spindle_server(model_dir, *spindle_serve_args(job, settings), "--metrics-port", str(metrics_port),
                             num_threads=settings.num_threads, log_path=log_path,
                             timeout_s=settings.server_timeout_s) as server:
-            row = _row(job, limits, _drive(job, settings, server.http_url, server.model_name))
+            run, cpu = _drive(job, settings, server.http_url, server.model_name, server.process.pid)
+            row = _row(job, limits, run, cpu_ms_per_token=cpu)
             return replace(row, step_phases_ms=worker_step_phases_ms(metrics_port + 2))
     with peer_server(job.server, model_dir, job.dtype, serve_shape(job, settings.num_threads), log_path,
                      settings.server_timeout_s) as peer:
-        return _row(job, limits, _drive(job, settings, peer.base_url, peer.model_name))
+        run, cpu = _drive(job, settings, peer.base_url, peer.model_name, peer.pgid)
+        return _row(job, limits, run, cpu_ms_per_token=cpu)
 
 
 def run_all(settings: PeerBenchSettings, stem: str) -> tuple[MachineLimits, list[PeerRow]]:

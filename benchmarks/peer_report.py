@@ -23,6 +23,7 @@ from pathlib import Path
 from benchmarks.metrics import LatencyStats, LoadSummary
 from benchmarks.models import BENCH_MODELS
 from benchmarks.peer_servers import PEERS
+from benchmarks.process_cpu import LOAD_CLIENT
 from benchmarks.report import format_ms
 from benchmarks.roofline import MachineLimits, bandwidth_fraction, gemm_fraction, tail_ratio
 
@@ -56,6 +57,8 @@ class PeerRow:
         error: why there are no figures ("missing: ..." when the configuration does not exist yet).
         step_phases_ms: spindle only: ms per worker step in each phase, from the worker's
             spindle:worker_step_phase_seconds_total scraped after the run (services/worker/step_phases.py).
+        cpu_ms_per_token: ms of CPU (user + system) per output token of each process of the server,
+            and of the load client, over the timed requests, by role (benchmarks/process_cpu.py).
     """
 
     part: str
@@ -70,6 +73,7 @@ class PeerRow:
     steady_itl: LatencyStats | None = None
     error: str | None = None
     step_phases_ms: dict[str, float] | None = None
+    cpu_ms_per_token: dict[str, float] | None = None
 
     @property
     def throughput(self) -> float | None:
@@ -246,6 +250,24 @@ def format_phase_table(rows: Sequence[PeerRow]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def format_cpu_table(rows: Sequence[PeerRow]) -> str:
+    """CPU per output token of each server's processes and of the load client, with the cores each
+    kept busy in brackets, for every run that read them; "" when none did."""
+    measured = [r for r in rows if r.cpu_ms_per_token and r.throughput]
+    if not measured:
+        return ""
+    header = ["part", "weights", "model", "streams", "context", "server", "ms of CPU per output token (cores)",
+              "server's total"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in measured:
+        ms, per_s = r.cpu_ms_per_token or {}, (r.throughput or 0.0) / 1e3
+        shown = [f"{role} {value:.3f} ({value * per_s:.2f})" for role, value in ms.items() if value * per_s >= 0.005]
+        own = sum(value for role, value in ms.items() if role != LOAD_CLIENT)
+        lines.append("| " + " | ".join([r.part, r.dtype, r.model, str(r.concurrency), str(r.prompt_len), r.server,
+                                        ", ".join(shown), f"{own:.3f} ({own * per_s:.2f})"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def format_limits(rows: Sequence[PeerRow]) -> str:
     """The machine limits each run measured (one line per distinct measurement)."""
     seen = dict.fromkeys(r.limits for r in rows)
@@ -266,6 +288,10 @@ def format_report(rows: Sequence[PeerRow]) -> str:
     if phase_table:
         parts += ["\n## Where spindle's worker steps spent their time (ms per step, prefill steps included)\n\n",
                   phase_table]
+    cpu_table = format_cpu_table(rows)
+    if cpu_table:
+        parts += ["\n## CPU per output token, by process (the timed requests; the load client shares the "
+                  "machine)\n\n", cpu_table]
     return "".join(parts)
 
 

@@ -116,6 +116,7 @@ class RunningPeer:
 
     base_url: str
     model_name: str
+    pgid: int  # its process group: every process it started (benchmarks/process_cpu.py reads their CPU)
 
 
 def _healthy(url: str) -> bool:
@@ -154,6 +155,6 @@ def peer_server(peer: str, model_dir: Path, dtype: str, shape: ServeShape, log_p
                     raise RuntimeError(f"{peer} not healthy after {timeout_s:.0f} s (log {log_path})")
                 time.sleep(1.0)
             logger.info("%s healthy after %.0f s", peer, time.monotonic() - start)
-            yield RunningPeer(base_url, SERVED_NAME)
+            yield RunningPeer(base_url, SERVED_NAME, proc.pid)
         finally:
             stop_server(proc, peer, signal_group=True)

@@ -135,7 +135,10 @@ async def test_server_errors_are_recorded_not_raised(mock_server: tuple[str, Moc
 async def test_poisson_rate_and_warmup(mock_server: tuple[str, MockState]) -> None:
     url, state = mock_server
     config = LoadConfig(url, "mock", request_rate=200.0, seed=1, show_progress=False)
-    run = await run_with_warmup(config, _requests(4, 2), warmup=_requests(2, 1))
+    sent_before_timed: list[int] = []
+    run = await run_with_warmup(config, _requests(4, 2), warmup=_requests(2, 1),
+                                on_timed_start=lambda: sent_before_timed.append(len(state.bodies)))
+    assert sent_before_timed == [2]  # called once, after the warmup and before any timed request
     assert len(state.bodies) == 6
     assert run.summary.num_completed == 4 and run.summary.total_output_tokens == 8
 

