@@ -220,11 +220,10 @@ class EngineClient:
         """
         processor, index, telemetry = sample.processor, sample.index, prepared.telemetry
         echo = prepared.echo_text
-        async with self.scheduler.submit(sample.add) as stream:
+        async with self.scheduler.submit(sample.add, prepared.deadline) as stream:
             while not processor.is_finished:
                 try:
-                    async with asyncio.timeout_at(prepared.deadline):
-                        updates = await anext(stream)
+                    updates = await anext(stream)
                 except TimeoutError:
                     chunk = processor.abort()
                 else:

@@ -36,21 +36,33 @@ _PROGRESS_LOG_INTERVAL_S = 10.0
 _INFO_INTERVAL_S = 1.0
 
 
+class _Expired:
+    """Queued by a stream's deadline timer: what came before it is still delivered, then TimeoutError."""
+
+
+_EXPIRED = _Expired()
+
+
 class RequestStream:
     """The updates of one submitted request, in batches; closing it early aborts the request.
 
     Use as `async with client.submit(add) as stream: async for updates in stream: ...`.
     Each batch holds every update that arrived since the previous one (usually one per
     step; more when the consumer fell behind), and the last batch ends with the final one.
+    With a `deadline` (event-loop time), the first wait that ends past it raises TimeoutError;
+    one timer per request does that, not a timeout context per update (a token's host cost).
     """
 
-    def __init__(self, client: SchedulerClient, request_id: str) -> None:
+    def __init__(self, client: SchedulerClient, request_id: str, deadline: float | None = None) -> None:
         self.request_id = request_id
         self._client = client
-        self._queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
+        self._queue: asyncio.Queue[RequestUpdate | _Expired] = asyncio.Queue()
         self._final_pushed = False  # the scheduler is done with it: no abort needed
         self._final_taken = False  # the consumer has seen the final update
+        self._expired = False
         self.output_token_ids: list[int] = []  # received so far: what a re-submission reports
+        self._timer = (None if deadline is None
+                       else asyncio.get_running_loop().call_at(deadline, self._queue.put_nowait, _EXPIRED))
 
     def _push(self, update: RequestUpdate) -> None:
         self._final_pushed = self._final_pushed or update.is_final
@@ -63,14 +75,27 @@ class RequestStream:
     async def __anext__(self) -> list[RequestUpdate]:
         if self._final_taken:
             raise StopAsyncIteration
-        batch = [await self._queue.get()]
-        while not batch[-1].is_final and not self._queue.empty():
-            batch.append(self._queue.get_nowait())
+        if self._expired:
+            raise TimeoutError
+        batch: list[RequestUpdate] = []
+        item = await self._queue.get()
+        while True:
+            if isinstance(item, _Expired):
+                self._expired = True
+                if not batch:
+                    raise TimeoutError
+                break
+            batch.append(item)
+            if item.is_final or self._queue.empty():
+                break
+            item = self._queue.get_nowait()
         self._final_taken = batch[-1].is_final
         return batch
 
     def close(self) -> None:
         """Stop following the request; abort it in the scheduler if it is still running."""
+        if self._timer is not None:
+            self._timer.cancel()
         if not self._final_pushed:
             self._final_pushed = True
             self._client._abort(self.request_id)
@@ -149,8 +174,9 @@ class SchedulerClient:
 
     # ---- requests -----------------------------------------------------------------------
 
-    def submit(self, request: AddRequest) -> RequestStream:
-        """Queue `request` for the scheduler; its updates arrive on the returned stream.
+    def submit(self, request: AddRequest, deadline: float | None = None) -> RequestStream:
+        """Queue `request` for the scheduler; its updates arrive on the returned stream (reading it
+        raises TimeoutError once event-loop time `deadline` has passed; None: never).
 
         While disconnected (after a first connection) it is held with the unfinished requests:
         sent when a scheduler is back, failed with them if none is within the resume timeout.
@@ -161,7 +187,7 @@ class SchedulerClient:
             raise UnavailableError(f"the scheduler at {self.address} is not connected")
         if request.request_id in self._streams:
             raise InvalidArgumentError(f"request_id={request.request_id!r} is already in use")
-        stream = RequestStream(self, request.request_id)
+        stream = RequestStream(self, request.request_id, deadline)
         self._streams[request.request_id] = stream
         self._submitted[request.request_id] = request
         self._pending_adds[request.request_id] = request

@@ -71,6 +71,46 @@ async def test_updates_are_demultiplexed_and_merged_when_the_consumer_lags() -> 
     assert [list(m.abort.request_ids) for m in _sent(outbox) if m.HasField("abort")] == [["b"]]
 
 
+async def test_a_deadline_delivers_what_came_before_it_then_times_out_and_close_cancels_it() -> None:
+    client, _ = _client()
+    loop = asyncio.get_running_loop()
+    late = client.submit(_add("late"), deadline=loop.time() + 0.05)
+    client._dispatch(_step(scheduler_pb2.RequestUpdate(request_id="late", token_ids=[7])))
+    assert [u.token_ids for u in await anext(late)] == [[7]]  # before the deadline: as without one
+    client._dispatch(_step(scheduler_pb2.RequestUpdate(request_id="late", token_ids=[8])))
+    await asyncio.sleep(0.1)  # read only after the deadline
+    assert [u.token_ids for u in await anext(late)] == [[8]]  # it came before the deadline: still delivered
+    for _ in range(2):  # then the deadline, however often it is asked
+        try:
+            await asyncio.wait_for(anext(late), 1.0)
+            raise AssertionError("no TimeoutError past the deadline")
+        except TimeoutError:
+            pass
+    late.close()
+
+    waiting = client.submit(_add("waiting"), deadline=loop.time() + 0.05)
+    started = loop.time()
+    try:
+        await anext(waiting)  # nothing comes: the timer ends the wait
+        raise AssertionError("no TimeoutError past the deadline")
+    except TimeoutError:
+        assert 0.04 <= loop.time() - started < 1.0
+    waiting.close()
+
+    done = client.submit(_add("done"), deadline=loop.time() + 0.05)
+    client._dispatch(_step(scheduler_pb2.RequestUpdate(request_id="done", token_ids=[9],
+                                                       stop_reason=common_pb2.STOP_REASON_LENGTH)))
+    done.close()  # finished in time: the timer is cancelled
+    assert done._timer is not None and done._timer.cancelled()
+    assert [u.token_ids for u in await anext(done)] == [[9]]
+    await asyncio.sleep(0.1)
+    try:
+        await anext(done)
+        raise AssertionError("the stream went on after its final update")
+    except StopAsyncIteration:
+        pass
+
+
 async def test_lost_connection_fails_in_flight_requests_with_unavailable() -> None:
     client, _ = _client()
     stream = client.submit(_add("a"))
