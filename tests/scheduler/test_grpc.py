@@ -43,14 +43,14 @@ class Stack:
 
 
 @contextlib.asynccontextmanager
-async def running_stack(store: StateStore | None = None) -> AsyncIterator[Stack]:
-    """Two fake workers behind a real scheduler service; `store` holds its journal."""
+async def running_stack(store: StateStore | None = None, step_delay_s: float = 0.002) -> AsyncIterator[Stack]:
+    """Two fake workers (a step every `step_delay_s`) behind a real scheduler service; `store` holds its journal."""
     workers = [FakeWorker(32, 4, eos_period=EOS_PERIOD, max_model_len=128) for _ in range(2)]
     servers, links = [], []
     for index, worker in enumerate(workers):
         # The first worker is "still loading" for a few calls: the client must retry.
         server, address = await start_fake_worker_server(
-            FakeWorkerServicer(worker, not_ready_calls=3 if index == 0 else 0, step_delay_s=0.002))
+            FakeWorkerServicer(worker, not_ready_calls=3 if index == 0 else 0, step_delay_s=step_delay_s))
         servers.append(server)
         links.append(WorkerClient(index, address, backoff_initial_s=0.01))
     config = SchedulerConfig(worker_addresses=tuple(link.address for link in links), num_scheduler_steps=4)
@@ -226,6 +226,22 @@ async def test_deadline_aborts_a_running_request(stack: Stack) -> None:
     updates = [wire.update_from_proto(u) async for m in stack.stub.Connect(iter(messages)) for u in m.step.updates]
     assert updates[-1].stop_reason == StopReason.ABORTED
     assert sum(len(u.token_ids) for u in updates) < 120
+
+
+async def test_a_deadline_is_kept_while_nothing_else_wakes_the_scheduler() -> None:
+    # Workers that take 2 s a step: no output wakes the loop between steps; its timer must.
+    async with running_stack(step_delay_s=2.0) as stack:
+        await _wait_ready(stack.stub)
+        late = _request("late", [5, 6], 120)
+        late.deadline_unix_s = time.time() + 0.3
+        started = time.monotonic()
+        messages = [wire.add_requests_to_proto([late])]
+        async for message in stack.stub.Connect(iter(messages)):
+            updates = [wire.update_from_proto(u) for u in message.step.updates]
+            if any(u.is_final for u in updates):
+                break
+        assert updates[-1].stop_reason == StopReason.ABORTED
+        assert time.monotonic() - started < 1.5  # at its deadline, not at the next step 2 s on
 
 
 # ---- the Connect reader: one bad request fails alone; a failing reader ends the stream loudly ----
