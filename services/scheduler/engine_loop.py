@@ -268,32 +268,20 @@ class EngineLoop:
     # ---- the loop ----
 
     async def _run(self) -> None:
-        """Step on every wake-up: new work, a worker's output, or a timer (a request's deadline,
-        the stats log). One timer stays armed across wake-ups and moves only when a sooner one is
-        due: a timer set and cancelled around every wait cost the loop more than the step's work."""
         scheduler = self.scheduler
         assert scheduler is not None
-        loop = asyncio.get_running_loop()
-        timer: asyncio.TimerHandle | None = None
-        try:
-            while not self._stopping:
-                delay = self.config.stats_interval_s
-                deadline = scheduler.next_deadline()
-                if deadline is not None:
-                    delay = min(delay, max(deadline - self._clock(), 0.0))
-                wake_at = loop.time() + delay
-                if timer is None or timer.cancelled() or timer.when() > wake_at or timer.when() <= loop.time():
-                    if timer is not None:
-                        timer.cancel()
-                    timer = loop.call_at(wake_at, self._wake.set)
-                await self._wake.wait()
-                self._wake.clear()
-                if self._stopping:
-                    return
-                self.step()
-        finally:
-            if timer is not None:
-                timer.cancel()
+        while not self._stopping:
+            timeout = self.config.stats_interval_s
+            deadline = scheduler.next_deadline()
+            if deadline is not None:
+                timeout = min(timeout, max(deadline - self._clock(), 0.0))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
+            self._wake.clear()
+            if self._stopping:
+                return
+            self.step()
 
     def step(self) -> None:
         """One scheduling pass: expire deadlines, send aborts, then a round to every worker that can take one.
