@@ -124,6 +124,7 @@ class StepOutput:
     top_logprobs: list[float] = field(default_factory=list)
     pooled: dict[str, list[float]] = field(default_factory=dict)
     is_last_step: bool = True
+    sampled_unix_ns: int = 0  # wall time its tokens reached the worker's host (0: not recorded)
 
 
 @dataclass(slots=True, frozen=True)

@@ -192,6 +192,7 @@ def step_to_proto(s: StepOutput) -> worker_pb2.ExecuteResponse:
         top_logprobs=s.top_logprobs,
         pooled_outputs=[worker_pb2.PooledOutput(request_id=k, values=v) for k, v in s.pooled.items()],
         is_last_step=s.is_last_step,
+        sampled_unix_ns=s.sampled_unix_ns,
     )
 
 
@@ -207,6 +208,7 @@ def step_from_proto(msg: worker_pb2.ExecuteResponse) -> StepOutput:
         top_logprobs=list(msg.top_logprobs),
         pooled={p.request_id: list(p.values) for p in msg.pooled_outputs},
         is_last_step=msg.is_last_step,
+        sampled_unix_ns=msg.sampled_unix_ns,
     )
 
 

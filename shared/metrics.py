@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +22,20 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 # Token-count buckets (prompt lengths, tokens per step).
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+# Per-step times: steps on a CPU take milliseconds, on a GPU tens of microseconds; a step's
+# tokens cross a hop between services in tens of microseconds to milliseconds.
+STEP_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64,
+                        1.28, 2.56, 5.12)
+
+
+def step_transit_histogram(registry: CollectorRegistry, hop: str) -> Histogram:
+    """spindle:step_transit_seconds{hop}: from the moment a worker step's tokens reached the
+    worker's host to their arrival at this service (wall clocks: across hosts, their skew too).
+    One series per service kind: worker_to_scheduler, worker_to_frontend; where a token's
+    inter-token latency tail comes from when the worker's steps are even."""
+    return Histogram("spindle:step_transit_seconds",
+                     "A worker step's tokens: from reaching the worker's host to arriving here",
+                     ["hop"], buckets=STEP_LATENCY_BUCKETS, registry=registry).labels(hop)
 
 
 class MetricsServer:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from shared.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
+from shared.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, step_transit_histogram
 
 
 class FrontendMetrics:
@@ -42,6 +42,7 @@ class FrontendMetrics:
         self.request_generation_tokens = Histogram("spindle:request_generation_tokens",
                                                    "Generated tokens per request", labels, buckets=TOKEN_BUCKETS,
                                                    registry=r).labels(model_name)
+        self.step_transit = step_transit_histogram(r, "worker_to_frontend")
         self.requests_in_flight = Gauge("spindle:frontend_requests_in_flight",
                                         "Requests this frontend is streaming now", labels,
                                         registry=r).labels(model_name)

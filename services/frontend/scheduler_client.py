@@ -135,6 +135,8 @@ class SchedulerClient:
         self._task: asyncio.Task[None] | None = None
         # Called with True when the stream is up and the scheduler ready, False when lost.
         self.on_ready_change: list[Callable[[bool], None]] = []
+        # Called per worker step received with the seconds since its tokens reached the worker's host.
+        self.on_step_transit: Callable[[float], None] | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -230,6 +232,9 @@ class SchedulerClient:
     def _dispatch(self, response: scheduler_pb2.ConnectResponse) -> None:
         if response.WhichOneof("message") != "step":
             return
+        sampled_unix_ns = response.step.sampled_unix_ns
+        if sampled_unix_ns and self.on_step_transit is not None:
+            self.on_step_transit(max(time.time_ns() - sampled_unix_ns, 0) / 1e9)  # two hosts' clocks may disagree
         for msg in response.step.updates:
             stream = self._streams.get(msg.request_id)
             if stream is None:

@@ -46,6 +46,7 @@ class Frontend:
         self.tokenizer = Tokenizer(config.model, config.tokenizer_threads)
         self.scheduler = SchedulerClient(config.scheduler_addr, backoff_max_s=config.scheduler_backoff_max_s,
                                          tls=config.internal_tls)
+        self.scheduler.on_step_transit = self.metrics.step_transit.observe
         self.store = open_state_store(config.state_store)
         limiter = RateLimiter(self.store, config.rate_limit_rpm) if config.rate_limit_rpm else None
         self.engine = EngineClient(config, self.tokenizer, self.scheduler,

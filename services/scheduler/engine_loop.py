@@ -211,13 +211,15 @@ class EngineLoop:
 
     def _on_output(self, worker_index: int, output: StepOutput) -> None:
         assert self.scheduler is not None
+        if output.sampled_unix_ns:
+            self.observer.on_step_output(worker_index, (time.time_ns() - output.sampled_unix_ns) / 1e9)
         sink = UpdateSink()
         try:
             self.scheduler.update_from_output(worker_index, output, sink)
         except ProtocolError as exc:
             self._fail_worker(worker_index, f"it broke the round protocol: {exc}", sink)
         self.journal.note_progress(output.request_ids)
-        self._deliver(sink)
+        self._deliver(sink, output.sampled_unix_ns)
         self._wake.set()
 
     def _on_failure(self, worker_index: int, message: str) -> None:
@@ -301,11 +303,12 @@ class EngineLoop:
             self.links[index].send(rnd)
         self._maybe_log_stats()
 
-    def _deliver(self, sink: UpdateSink) -> None:
+    def _deliver(self, sink: UpdateSink, sampled_unix_ns: int = 0) -> None:
+        """Each frontend connection's updates as one message (with the worker step's time, if from one)."""
         for connection_id, updates in sink.by_connection.items():
             conn = self._connections.get(connection_id)
             if conn is not None:
-                conn.outbox.put_nowait(StepUpdates(updates))
+                conn.outbox.put_nowait(StepUpdates(updates, sampled_unix_ns))
                 if conn.input_closed:
                     self._end_if_done(conn)
 

@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 from services.scheduler.request import RequestStatus
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.worker_state import WorkerState
-from shared.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
+from shared.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, step_transit_histogram
 
 STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -126,4 +126,5 @@ class SchedulerMetrics:
                                      buckets=STEP_BUCKETS, registry=r)
         self.iteration_tokens = Histogram("spindle:iteration_tokens_total", "Tokens computed per forward step",
                                           buckets=TOKEN_BUCKETS, registry=r)
+        self.step_transit = step_transit_histogram(r, "worker_to_scheduler")
         self.registry.register(SchedulerStateCollector(get_scheduler))

@@ -1,10 +1,10 @@
 """`RequestObserver`: the hooks a request's life calls, for spans and metrics outside the policy code.
 
 `WorkerState` calls them as it moves a request (added, admitted, preempted, finished), the
-output processor at a request's first token and the scheduler once per round sent. The base
-class does nothing, so the scheduler core runs the same with or without telemetry;
-`telemetry.SchedulerTelemetry` records spans and metrics. Hooks run per request event or per
-round, never per token.
+output processor at a request's first token, the scheduler once per round sent and the engine
+loop once per worker step received. The base class does nothing, so the scheduler core runs the
+same with or without telemetry; `telemetry.SchedulerTelemetry` records spans and metrics. Hooks
+run per request event, per round or per step, never per token of a request.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ class RequestObserver:
     def on_round(self, worker_index: int, round_: ExecuteRound, num_samplers: int) -> None:
         """A round was sent; `num_samplers` requests decode in each of its steps after step 0."""
 
+    def on_step_output(self, worker_index: int, transit_s: float) -> None:
+        """A worker's step arrived `transit_s` after its tokens reached the worker's host (wall clocks)."""
+
 
 class ObserverGroup(RequestObserver):
     """Calls every hook of each observer in turn (telemetry and the journal, say)."""
@@ -68,3 +71,7 @@ class ObserverGroup(RequestObserver):
     def on_round(self, worker_index: int, round_: ExecuteRound, num_samplers: int) -> None:
         for o in self.observers:
             o.on_round(worker_index, round_, num_samplers)
+
+    def on_step_output(self, worker_index: int, transit_s: float) -> None:
+        for o in self.observers:
+            o.on_step_output(worker_index, transit_s)

@@ -37,7 +37,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         reader = asyncio.create_task(self._read(conn, request_iterator))
         try:
             while (batch := await conn.outbox.get()) is not None:
-                yield wire.step_updates_to_proto(batch.updates)
+                yield wire.step_updates_to_proto(batch.updates, batch.sampled_unix_ns)
             if reader.done() and (failure := reader.result()) is not None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, failure)
         finally:

@@ -92,6 +92,9 @@ class SchedulerTelemetry(RequestObserver):
             Tracing.fail(span, "the request failed")
         span.end()
 
+    def on_step_output(self, worker_index: int, transit_s: float) -> None:
+        self.metrics.step_transit.observe(max(transit_s, 0.0))  # clocks of two hosts may disagree
+
     def on_round(self, worker_index: int, round_: ExecuteRound, num_samplers: int) -> None:
         m = self.metrics
         m.round_steps.observe(round_.num_steps)

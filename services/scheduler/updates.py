@@ -53,6 +53,7 @@ class StepUpdates:
     """One message to one frontend connection."""
 
     updates: list[RequestUpdate] = field(default_factory=list)
+    sampled_unix_ns: int = 0  # from a worker's step: when its tokens reached the worker's host; else 0
 
 
 class UpdateSink:

@@ -82,9 +82,9 @@ def update_from_proto(msg: scheduler_pb2.RequestUpdate) -> RequestUpdate:
     )
 
 
-def step_updates_to_proto(updates: Sequence[RequestUpdate]) -> scheduler_pb2.ConnectResponse:
+def step_updates_to_proto(updates: Sequence[RequestUpdate], sampled_unix_ns: int = 0) -> scheduler_pb2.ConnectResponse:
     return scheduler_pb2.ConnectResponse(step=scheduler_pb2.StepUpdates(
-        updates=[update_to_proto(u) for u in updates]))
+        updates=[update_to_proto(u) for u in updates], sampled_unix_ns=sampled_unix_ns))
 
 
 def info_to_proto(info: SchedulerInfo) -> scheduler_pb2.GetSchedulerInfoResponse:

@@ -9,6 +9,7 @@ round_stops.py); its `StepOutput` still lists them all, with placeholder values 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,12 +36,14 @@ class SampledStep:
     top_logprobs: torch.Tensor | None = None  # [S, N] host
     num_top_logprobs: np.ndarray | None = None  # [S] entries of the top-N each request asked for
     copied: torch.cuda.Event | None = None
+    sampled_unix_ns: int = 0  # when its tokens were on the host (set by wait)
 
     def wait(self) -> None:
-        """Block until the host tensors hold the step's values (no-op on CPU)."""
+        """Block until the host tensors hold the step's values (no-op on CPU); note the time."""
         if self.copied is not None:
             self.copied.synchronize()
             self.copied = None
+        self.sampled_unix_ns = time.time_ns()
 
     def to_step_output(self) -> StepOutput:
         out = StepOutput(
@@ -48,6 +51,7 @@ class SampledStep:
             step_index=self.step_index,
             request_ids=self.request_ids,
             is_last_step=self.is_last_step,
+            sampled_unix_ns=self.sampled_unix_ns,
         )
         if not self.request_ids:
             return out

@@ -18,12 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.worker.step_phases import StepPhaseCollector, StepPhases
 from shared.execute import ExecuteRound
-from shared.metrics import LATENCY_BUCKETS
+from shared.metrics import LATENCY_BUCKETS, STEP_LATENCY_BUCKETS
 from shared.tracing import Span, SpanKind, Tracing
-
-# Steps on a CPU take milliseconds, on a GPU tens of microseconds.
-STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64,
-                1.28, 2.56, 5.12)
 
 
 class WorkerMetrics:
@@ -33,14 +29,14 @@ class WorkerMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.step_duration = Histogram("spindle:worker_step_duration_seconds",
-                                       "One forward step, sampling included", buckets=STEP_BUCKETS, registry=r)
+                                       "One forward step, sampling included", buckets=STEP_LATENCY_BUCKETS, registry=r)
         self.round_duration = Histogram("spindle:worker_round_duration_seconds", "One round of n steps",
                                         buckets=LATENCY_BUCKETS, registry=r)
         self.rounds_failed = Counter("spindle:worker_rounds_failed", "Rounds that raised", registry=r)
         self.ready = Gauge("spindle:worker_ready", "1 once the model is loaded and rounds can run", registry=r)
         self.encoder_duration = Histogram("spindle:worker_encoder_duration_seconds",
                                           "Encoding one round's images (vision-language models)",
-                                          buckets=STEP_BUCKETS, registry=r)
+                                          buckets=STEP_LATENCY_BUCKETS, registry=r)
         self.encoder_cache_tokens = Gauge("spindle:worker_encoder_cache_tokens",
                                           "Feature tokens of image encoder outputs the worker holds", registry=r)
         self._step_phases = StepPhaseCollector(StepPhases())  # zeros until a runner reports its own

@@ -143,6 +143,11 @@ def test_each_request_is_one_connected_trace_and_metrics_count_it(tiny_models: d
     for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
         assert _sum(frontend, f"spindle:{histogram}_count") == NUM_REQUESTS
     assert _sum(frontend, "spindle:inter_token_latency_seconds_count") > 0
+    # Every worker step's tokens are timed on their way: one observation per step each side.
+    to_scheduler = _sum(scheduler, "spindle:step_transit_seconds_count", hop="worker_to_scheduler")
+    assert to_scheduler > 0
+    assert 0 < _sum(frontend, "spindle:step_transit_seconds_count", hop="worker_to_frontend") <= to_scheduler
+    assert _sum(scheduler, "spindle:step_transit_seconds_sum", hop="worker_to_scheduler") / to_scheduler < 1.0
     assert _sum(frontend, "spindle:frontend_requests_in_flight") == 0
     assert _sum(scheduler, "spindle:request_queue_time_seconds_count") == NUM_REQUESTS
     assert _sum(scheduler, "spindle:num_requests_running") == 0 and _sum(scheduler, "spindle:num_requests_waiting") == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from services.frontend import wire
 from services.frontend.messages import AddRequest
@@ -109,6 +110,18 @@ async def test_a_deadline_delivers_what_came_before_it_then_times_out_and_close_
         raise AssertionError("the stream went on after its final update")
     except StopAsyncIteration:
         pass
+
+
+async def test_a_worker_steps_transit_is_reported_and_other_messages_are_not() -> None:
+    client, _ = _client()
+    transits: list[float] = []
+    client.on_step_transit = transits.append
+    client.submit(_add("a"))
+    client._dispatch(scheduler_pb2.ConnectResponse(step=scheduler_pb2.StepUpdates(
+        updates=[scheduler_pb2.RequestUpdate(request_id="a", token_ids=[7])],
+        sampled_unix_ns=time.time_ns() - 2_000_000)))  # sampled 2 ms ago
+    client._dispatch(_step(scheduler_pb2.RequestUpdate(request_id="a", token_ids=[8])))  # not from a step: no time
+    assert len(transits) == 1 and 0.002 <= transits[0] < 1.0
 
 
 async def test_lost_connection_fails_in_flight_requests_with_unavailable() -> None:

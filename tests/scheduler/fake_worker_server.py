@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -48,7 +49,9 @@ class FakeWorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     continue
                 self.worker.submit(item)
                 while self.worker.has_work:
-                    yield step_to_proto(self.worker.step())
+                    step = self.worker.step()
+                    step.sampled_unix_ns = time.time_ns()  # as a real worker stamps it
+                    yield step_to_proto(step)
                     await asyncio.sleep(self.step_delay_s)
         finally:
             reader.cancel()

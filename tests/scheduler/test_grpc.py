@@ -228,6 +228,15 @@ async def test_deadline_aborts_a_running_request(stack: Stack) -> None:
     assert sum(len(u.token_ids) for u in updates) < 120
 
 
+async def test_step_messages_carry_the_time_the_worker_sampled_them(stack: Stack) -> None:
+    await _wait_ready(stack.stub)
+    started = time.time_ns()
+    messages = [wire.add_requests_to_proto([_request("timed", [5, 6], 8)])]
+    stamps = [m.step.sampled_unix_ns async for m in stack.stub.Connect(iter(messages))]
+    assert stamps and all(started <= s <= time.time_ns() for s in stamps)  # every step's, from the worker
+    assert stamps == sorted(stamps)
+
+
 async def test_a_deadline_is_kept_while_nothing_else_wakes_the_scheduler() -> None:
     # Workers that take 2 s a step: no output wakes the loop between steps; its timer must.
     async with running_stack(step_delay_s=2.0) as stack:

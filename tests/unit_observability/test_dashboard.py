@@ -49,7 +49,7 @@ def _registries() -> list[CollectorRegistry]:
     frontend.generation_tokens.inc(2)
     frontend.cached_prompt_tokens.inc(1)
     for histogram in (frontend.time_to_first_token, frontend.inter_token_latency, frontend.e2e_latency,
-                      frontend.request_prompt_tokens, frontend.request_generation_tokens):
+                      frontend.request_prompt_tokens, frontend.request_generation_tokens, frontend.step_transit):
         histogram.observe(1)
     frontend.requests_in_flight.inc()
 
@@ -58,6 +58,7 @@ def _registries() -> list[CollectorRegistry]:
     sched.queue_time.observe(0.01)
     sched.round_steps.observe(4)
     sched.iteration_tokens.observe(16)
+    sched.step_transit.observe(0.001)
 
     worker = WorkerMetrics()
     worker.step_duration.observe(0.001)

@@ -8,6 +8,7 @@ step's copy overlaps the next forward pass) on CPU.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -108,10 +109,16 @@ def _first_new_token_step(tokens: list[int]) -> int:
 def test_cpu_step_is_handed_on_before_the_next_forward(llama_dir: Path, num_steps: int) -> None:
     runner, model = _counting_runner(llama_dir)
     emitted: list[tuple[int, int]] = []
-    runner.execute_round(
-        _first_round(num_steps), lambda step: emitted.append((step.step_index, len(model.num_tokens)))
-    )
+    stamps: list[int] = []  # when each step's tokens were on the host, as its StepOutput tells the scheduler
+
+    def on_step(step: SampledStep) -> None:
+        emitted.append((step.step_index, len(model.num_tokens)))
+        stamps.append(step.to_step_output().sampled_unix_ns)
+
+    started = time.time_ns()
+    runner.execute_round(_first_round(num_steps), on_step)
     assert emitted == [(k, k + 1) for k in range(num_steps)]
+    assert started < stamps[0] and stamps == sorted(stamps) and stamps[-1] <= time.time_ns()
 
 
 def test_overlapped_path_hands_step_on_after_launching_the_next(llama_dir: Path) -> None:
