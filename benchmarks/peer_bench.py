@@ -43,7 +43,7 @@ from benchmarks.peer_servers import PEERS, VLLM, ServeShape, peer_server
 from benchmarks.process_cpu import CpuReading, cpu_ms_per_token, read_group
 from benchmarks.report import machine_info
 from benchmarks.roofline import MachineLimits
-from benchmarks.soak_probe import worker_phase_seconds
+from benchmarks.soak_probe import frontend_step_transit, worker_phase_seconds
 from benchmarks.workload import BenchRequest, WorkloadSpec, build_workload
 from shared.ports import free_port
 from shared.tiny_models import TinyModelSpec
@@ -240,7 +240,8 @@ def run_job(job: PeerJob, settings: PeerBenchSettings, limits: MachineLimits, st
                             timeout_s=settings.server_timeout_s) as server:
             run, cpu = _drive(job, settings, server.http_url, server.model_name, server.process.pid)
             row = _row(job, limits, run, cpu_ms_per_token=cpu)
-            return replace(row, step_phases_ms=worker_step_phases_ms(metrics_port + 2))
+            return replace(row, step_phases_ms=worker_step_phases_ms(metrics_port + 2),
+                           step_transit=frontend_step_transit(metrics_port))
     with peer_server(job.server, model_dir, job.dtype, serve_shape(job, settings.num_threads), log_path,
                      settings.server_timeout_s) as peer:
         run, cpu = _drive(job, settings, peer.base_url, peer.model_name, peer.pgid)

@@ -57,6 +57,9 @@ class PeerRow:
         error: why there are no figures ("missing: ..." when the configuration does not exist yet).
         step_phases_ms: spindle only: ms per worker step in each phase, from the worker's
             spindle:worker_step_phase_seconds_total scraped after the run (services/worker/step_phases.py).
+        step_transit: spindle only: how long worker steps' tokens took to reach the frontend over the
+            run (its spindle:step_transit_seconds{hop="worker_to_frontend"}): "mean_ms" and
+            "share_over_5_ms" (benchmarks/soak_probe.py).
         cpu_ms_per_token: ms of CPU (user + system) per output token of each process of the server,
             and of the load client, over the timed requests, by role (benchmarks/process_cpu.py).
     """
@@ -74,6 +77,7 @@ class PeerRow:
     error: str | None = None
     step_phases_ms: dict[str, float] | None = None
     cpu_ms_per_token: dict[str, float] | None = None
+    step_transit: dict[str, float] | None = None
 
     @property
     def throughput(self) -> float | None:
@@ -241,12 +245,16 @@ def format_phase_table(rows: Sequence[PeerRow]) -> str:
     if not measured:
         return ""
     phases = list(dict.fromkeys(p for r in measured for p in r.step_phases_ms or {}))
-    header = ["part", "weights", "model", "streams", "context", *phases, "sum"]
+    header = ["part", "weights", "model", "streams", "context", *phases, "sum",
+              "then to the frontend: mean", "over 5 ms"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in measured:
         ms = r.step_phases_ms or {}
+        transit = ([f"{r.step_transit['mean_ms']:.2f}", f"{r.step_transit['share_over_5_ms']:.1%}"]
+                   if r.step_transit else ["", ""])
         lines.append("| " + " | ".join([r.part, r.dtype, r.model, str(r.concurrency), str(r.prompt_len),
-                                        *(f"{ms.get(p, 0.0):.2f}" for p in phases), f"{sum(ms.values()):.2f}"]) + " |")
+                                        *(f"{ms.get(p, 0.0):.2f}" for p in phases), f"{sum(ms.values()):.2f}",
+                                        *transit]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -286,7 +294,8 @@ def format_report(rows: Sequence[PeerRow]) -> str:
                   "no prefill in the step)\n\n", format_sweep_table(rows)]
     phase_table = format_phase_table(rows)
     if phase_table:
-        parts += ["\n## Where spindle's worker steps spent their time (ms per step, prefill steps included)\n\n",
+        parts += ["\n## Where spindle's worker steps spent their time (ms per step, prefill steps included), "
+                  "and how long their tokens then took to reach the frontend\n\n",
                   phase_table]
     cpu_table = format_cpu_table(rows)
     if cpu_table:

@@ -88,6 +88,33 @@ def worker_phase_seconds(port: int) -> tuple[dict[str, float], float] | None:
              for labels, seconds in metric_samples(text, "spindle:worker_step_phase_seconds_total")}, steps)
 
 
+SLOW_TRANSIT_S = 0.005  # a bucket bound of spindle:step_transit_seconds (shared/metrics.py)
+
+
+def step_transit_from_text(text: str, hop: str) -> dict[str, float] | None:
+    """`spindle:step_transit_seconds{hop}` in an exposition: the mean in ms and the share of steps
+    whose tokens took over SLOW_TRANSIT_S to arrive; None when it has no observation."""
+    def total(suffix: str, le: float | None = None) -> float:
+        return sum(value for labels, value in metric_samples(text, f"spindle:step_transit_seconds{suffix}")
+                   if labels.get("hop") == hop and (le is None or float(labels["le"]) == le))
+
+    count = total("_count")
+    if count <= 0:
+        return None
+    return {"mean_ms": total("_sum") / count * 1e3,
+            "share_over_5_ms": 1.0 - total("_bucket", SLOW_TRANSIT_S) / count}
+
+
+def frontend_step_transit(port: int) -> dict[str, float] | None:
+    """`step_transit_from_text` for the frontend's worker_to_frontend series at `port`; None
+    (logged) when its /metrics cannot be read."""
+    try:
+        return step_transit_from_text(read_metrics(port), "worker_to_frontend")
+    except OSError as exc:
+        logger.warning("frontend metrics on port %d unreadable: %s", port, exc)
+        return None
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """The server at one moment."""

@@ -115,13 +115,18 @@ def test_json_round_trip_merges_runs(tmp_path: Path) -> None:
 
 def test_spindles_step_phases_get_their_own_table_and_survive_json(tmp_path: Path) -> None:
     phases = {"prepare": 0.61, "forward": 0.74, "logits": 0.27, "sample": 0.05, "deliver": 0.44}
-    rows = [replace(_row(SPINDLE, 330.0), step_phases_ms=phases), _row("llama-cpp", 700.0)]
+    rows = [replace(_row(SPINDLE, 330.0), step_phases_ms=phases,
+                    step_transit={"mean_ms": 1.234, "share_over_5_ms": 0.0412}),
+            replace(_row(SPINDLE, 2000.0, concurrency=64), step_phases_ms=phases),  # no transit read
+            _row("llama-cpp", 700.0)]
     report = format_report(rows)
     assert "## Where spindle's worker steps spent their time" in report
-    header = "| part | weights | model | streams | context | prepare | forward | logits | sample | deliver | sum |"
+    header = ("| part | weights | model | streams | context | prepare | forward | logits | sample | deliver | sum "
+              "| then to the frontend: mean | over 5 ms |")
     assert header in report
-    assert "| table | float32 | small | 1 | 128 | 0.61 | 0.74 | 0.27 | 0.05 | 0.44 | 2.11 |" in report
-    assert "spent their time" not in format_report(rows[1:])  # no phases, no section
+    assert "| table | float32 | small | 1 | 128 | 0.61 | 0.74 | 0.27 | 0.05 | 0.44 | 2.11 | 1.23 | 4.1% |" in report
+    assert "| table | float32 | small | 64 | 128 | 0.61 | 0.74 | 0.27 | 0.05 | 0.44 | 2.11 |  |  |" in report
+    assert "spent their time" not in format_report(rows[2:])  # no phases, no section
     write_json(tmp_path / "a.json", {"timestamp": "a"}, rows)
     assert read_rows([tmp_path / "a.json"]) == rows
 

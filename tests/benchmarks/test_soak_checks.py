@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks.soak_checks import MIB, all_checks, check_idle, check_log, check_processes, check_rss, rss_limit
 from benchmarks.soak_outcome import ABORTED, COMPLETED, ERROR, REJECTED, Outcome, Tally, judge_finish, judge_refusal
-from benchmarks.soak_probe import Snapshot, metric_samples
+from benchmarks.soak_probe import Snapshot, metric_samples, step_transit_from_text
 from benchmarks.soak_shapes import INVALID_KINDS, Mix, Shape, ShapeSource
 
 IDLE = Snapshot(pids={"frontend": 10, "scheduler": 11, "worker-0": 12},
@@ -101,6 +101,18 @@ def test_shapes_fit_the_context_and_cover_every_kind() -> None:
     assert [source.next() for _ in range(3)] != [ShapeSource(2, 512, 1024).next() for _ in range(3)]
     again = ShapeSource(seed=1, vocab_size=512, max_total_tokens=1024, mix=Mix(invalid=0.3, abort=0.3))
     assert [again.next() for _ in range(50)] == shapes[:50], "a seed replays the same soak"
+
+
+def test_step_transit_is_the_mean_and_the_share_over_5_ms_of_one_hop() -> None:
+    lines = ["# TYPE spindle:step_transit_seconds histogram"]
+    for hop, within_5ms, count, total in (("worker_to_frontend", 90, 100, 0.2), ("worker_to_scheduler", 1, 1, 9.0)):
+        for le, cumulative in (("0.001", within_5ms // 2), ("0.005", within_5ms), ("+Inf", count)):
+            lines.append(f'spindle:step_transit_seconds_bucket{{hop="{hop}",le="{le}"}} {cumulative}')
+        lines += [f'spindle:step_transit_seconds_count{{hop="{hop}"}} {count}',
+                  f'spindle:step_transit_seconds_sum{{hop="{hop}"}} {total}']
+    text = "\n".join(lines) + "\n"
+    assert step_transit_from_text(text, "worker_to_frontend") == pytest.approx({"mean_ms": 2.0, "share_over_5_ms": 0.1})
+    assert step_transit_from_text(text, "nowhere") is None
 
 
 def test_metric_samples_reads_labelled_series() -> None:
