@@ -16,7 +16,6 @@ only (it reads /proc); elsewhere every reading is empty.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +27,8 @@ _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 @dataclass(frozen=True, slots=True)
 class CpuReading:
-    """CPU seconds so far of each process (by pid) of a group, with their roles, and the time read."""
+    """CPU seconds so far of each process (by pid) of a group, with their roles."""
 
-    at_s: float
     seconds: Mapping[int, float]
     roles: Mapping[int, str]
 
@@ -44,12 +42,14 @@ def _stat_fields(pid: int | str) -> list[str] | None:
     return text[text.rindex(")") + 2:].split()
 
 
+def _cpu_of(fields: list[str]) -> float:
+    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S  # utime, stime: fields 14 and 15
+
+
 def cpu_seconds(pid: int | str) -> float | None:
     """User + system CPU seconds of every thread of process `pid` (exited threads included)."""
     fields = _stat_fields(pid)
-    if fields is None:
-        return None
-    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S  # utime, stime: fields 14 and 15
+    return None if fields is None else _cpu_of(fields)
 
 
 def role_of(argv: list[str]) -> str:
@@ -85,15 +85,13 @@ def read_group(pgid: int) -> CpuReading:
             fields = _stat_fields(entry.name)
             if fields is None or int(fields[2]) != pgid:  # field 5: the process group
                 continue
-            used = cpu_seconds(entry.name)
-            if used is not None:
-                seconds[int(entry.name)] = used
-                roles[int(entry.name)] = role_of(_argv(entry.name))
+            seconds[int(entry.name)] = _cpu_of(fields)
+            roles[int(entry.name)] = role_of(_argv(entry.name))
         own = cpu_seconds(os.getpid())
         if own is not None and os.getpid() not in seconds:
             seconds[os.getpid()] = own
             roles[os.getpid()] = LOAD_CLIENT
-    return CpuReading(time.monotonic(), seconds, roles)
+    return CpuReading(seconds, roles)
 
 
 def cpu_ms_per_token(before: CpuReading, after: CpuReading, output_tokens: int) -> dict[str, float] | None:

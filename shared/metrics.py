@@ -10,6 +10,7 @@ its dashboards and alerts carry over.
 from __future__ import annotations
 
 import logging
+import time
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
@@ -26,6 +27,11 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 
 # tokens cross a hop between services in tens of microseconds to milliseconds.
 STEP_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64,
                         1.28, 2.56, 5.12)
+
+
+def seconds_since_unix_ns(unix_ns: int) -> float:
+    """Seconds from wall time `unix_ns` to now; 0 where another host's clock runs ahead of ours."""
+    return max(time.time_ns() - unix_ns, 0) / 1e9
 
 
 def step_transit_histogram(registry: CollectorRegistry, hop: str) -> Histogram:

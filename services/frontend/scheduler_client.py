@@ -27,6 +27,7 @@ from services.frontend import wire
 from services.frontend.messages import AddRequest, RequestUpdate, SchedulerInfo
 from shared.errors import InvalidArgumentError, UnavailableError
 from shared.grpc_channel import open_channel
+from shared.metrics import seconds_since_unix_ns
 from shared.pb.spindle.v1 import scheduler_pb2, scheduler_pb2_grpc
 from shared.tls import TlsFiles
 
@@ -234,7 +235,7 @@ class SchedulerClient:
             return
         sampled_unix_ns = response.step.sampled_unix_ns
         if sampled_unix_ns and self.on_step_transit is not None:
-            self.on_step_transit(max(time.time_ns() - sampled_unix_ns, 0) / 1e9)  # two hosts' clocks may disagree
+            self.on_step_transit(seconds_since_unix_ns(sampled_unix_ns))
         for msg in response.step.updates:
             stream = self._streams.get(msg.request_id)
             if stream is None:

@@ -28,6 +28,7 @@ from services.scheduler.worker_link import WorkerLink
 from shared.errors import ErrorKind, UnavailableError
 from shared.execute import StepOutput
 from shared.logs import request_extra
+from shared.metrics import seconds_since_unix_ns
 from shared.state_store import InMemoryStateStore, StateStore
 
 logger = logging.getLogger(__name__)
@@ -212,7 +213,7 @@ class EngineLoop:
     def _on_output(self, worker_index: int, output: StepOutput) -> None:
         assert self.scheduler is not None
         if output.sampled_unix_ns:
-            self.observer.on_step_output(worker_index, (time.time_ns() - output.sampled_unix_ns) / 1e9)
+            self.observer.on_step_output(worker_index, seconds_since_unix_ns(output.sampled_unix_ns))
         sink = UpdateSink()
         try:
             self.scheduler.update_from_output(worker_index, output, sink)

@@ -39,7 +39,8 @@ class RequestObserver:
         """A round was sent; `num_samplers` requests decode in each of its steps after step 0."""
 
     def on_step_output(self, worker_index: int, transit_s: float) -> None:
-        """A worker's step arrived `transit_s` after its tokens reached the worker's host (wall clocks)."""
+        """A worker's step arrived `transit_s` after its tokens reached the worker's host (wall clocks,
+        0 where the worker's runs ahead)."""
 
 
 class ObserverGroup(RequestObserver):

@@ -93,7 +93,7 @@ class SchedulerTelemetry(RequestObserver):
         span.end()
 
     def on_step_output(self, worker_index: int, transit_s: float) -> None:
-        self.metrics.step_transit.observe(max(transit_s, 0.0))  # clocks of two hosts may disagree
+        self.metrics.step_transit.observe(transit_s)
 
     def on_round(self, worker_index: int, round_: ExecuteRound, num_samplers: int) -> None:
         m = self.metrics

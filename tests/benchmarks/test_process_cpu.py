@@ -60,8 +60,8 @@ def test_a_busy_process_of_the_group_is_charged_and_an_idle_one_is_not() -> None
 def test_this_process_is_the_load_client_and_no_tokens_means_no_figure() -> None:
     own = cpu_seconds(os.getpid())
     assert own is not None and own > 0
-    reading = CpuReading(0.0, {1: 1.0}, {1: "worker"})
+    reading = CpuReading({1: 1.0}, {1: "worker"})
     assert cpu_ms_per_token(reading, reading, output_tokens=0) is None
-    assert cpu_ms_per_token(reading, CpuReading(1.0, {}, {}), output_tokens=10) is None  # no /proc
-    later = CpuReading(1.0, {1: 1.5, 2: 0.2}, {1: "worker", 2: "worker"})  # a second worker started in between
+    assert cpu_ms_per_token(reading, CpuReading({}, {}), output_tokens=10) is None  # no /proc
+    later = CpuReading({1: 1.5, 2: 0.2}, {1: "worker", 2: "worker"})  # a second worker started in between
     assert cpu_ms_per_token(reading, later, output_tokens=100) == pytest.approx({"worker": 7.0})
