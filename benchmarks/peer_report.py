@@ -7,6 +7,12 @@ shared machine) is reported as one:
     python -m benchmarks.peer_report benchmarks/results/peers-A.json benchmarks/results/peers-B.json
 
 Each row keeps the machine limits measured in its own run; its fractions use those.
+
+A run of several rounds (`peer_bench --rounds N`) times every table cell's servers N times,
+interleaved, so a slow minute of the shared host hits one round, not one server. The table then
+gives each server's median tok/s with the range over rounds, and the median of the rounds'
+ratios (each round's spindle over the best peer of that round) with their range; the other
+sections list every round's row.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -62,6 +69,7 @@ class PeerRow:
             "share_over_5_ms" (benchmarks/soak_probe.py).
         cpu_ms_per_token: ms of CPU (user + system) per output token of each process of the server,
             and of the load client, over the timed requests, by role (benchmarks/process_cpu.py).
+        round: which of the run's rounds timed it (1 in a run of one round; module docstring).
     """
 
     part: str
@@ -78,6 +86,7 @@ class PeerRow:
     step_phases_ms: dict[str, float] | None = None
     cpu_ms_per_token: dict[str, float] | None = None
     step_transit: dict[str, float] | None = None
+    round: int = 1
 
     @property
     def throughput(self) -> float | None:
@@ -91,9 +100,10 @@ def _cell_key(row: PeerRow) -> tuple[str, str, int, int]:
 
 
 def best_peer(rows: Sequence[PeerRow], row: PeerRow) -> PeerRow | None:
-    """The peer with the highest output tok/s at `row`'s point of the same part; None if no peer has figures."""
+    """The peer with the highest output tok/s at `row`'s point of the same part and round; None if no
+    peer has figures there."""
     peers = [r for r in rows if r.part == row.part and r.server != SPINDLE and _cell_key(r) == _cell_key(row)
-             and r.throughput is not None]
+             and r.round == row.round and r.throughput is not None]
     return max(peers, key=lambda r: r.throughput or 0.0, default=None)
 
 
@@ -110,22 +120,45 @@ def _servers(rows: Sequence[PeerRow]) -> list[str]:
     return [s for s in (SPINDLE, *PEERS) if s in present]
 
 
+def _find_all(rows: Sequence[PeerRow], part: str, server: str, key: tuple[str, str, int, int]) -> list[PeerRow]:
+    """Every round's row of `server` at `key`, in round order."""
+    found = [r for r in rows if r.part == part and r.server == server and _cell_key(r) == key]
+    return sorted(found, key=lambda r: r.round)
+
+
 def _find(rows: Sequence[PeerRow], part: str, server: str, key: tuple[str, str, int, int]) -> PeerRow | None:
-    return next((r for r in rows if r.part == part and r.server == server and _cell_key(r) == key), None)
+    return next(iter(_find_all(rows, part, server, key)), None)
 
 
-def throughput_cell(row: PeerRow | None) -> str:
-    """tok/s, or why there is none: "missing: ..." kept verbatim, other errors as "failed"."""
-    if row is None:
+def median_throughput(rows: Sequence[PeerRow]) -> float | None:
+    """The median output tok/s over the rounds that have figures; None where none has."""
+    values = [r.throughput for r in rows if r.throughput is not None]
+    return statistics.median(values) if values else None
+
+
+def _with_range(median: float, values: Sequence[float], fmt: str) -> str:
+    """`median`, and the range of `values` in brackets where there are several."""
+    if len(values) < 2:
+        return format(median, fmt)
+    return f"{median:{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+def throughput_cell(found: PeerRow | Sequence[PeerRow] | None) -> str:
+    """tok/s (over rounds: the median and the range), or why there is none: "missing: ..." kept
+    verbatim, other errors as "failed"; failed and short requests of any round noted."""
+    rows = [found] if isinstance(found, PeerRow) else list(found or ())
+    if not rows:
         return "not run"
-    if row.throughput is not None:
-        s = row.summary
-        notes = []
-        if s is not None and s.num_failed:
-            notes.append(f"{s.num_failed} failed")
-        if s is not None and s.num_length_mismatches:
-            notes.append(f"{s.num_length_mismatches} short")
-        return f"{row.throughput:,.1f}" + (f" ({'; '.join(notes)})" if notes else "")
+    median = median_throughput(rows)
+    if median is not None:
+        measured = [r for r in rows if r.throughput is not None]
+        failed = sum(r.summary.num_failed for r in measured if r.summary is not None)
+        short = sum(r.summary.num_length_mismatches for r in measured if r.summary is not None)
+        notes = [*([f"{failed} failed"] if failed else []), *([f"{short} short"] if short else []),
+                 *([f"{len(rows) - len(measured)} of {len(rows)} rounds failed"] if len(measured) < len(rows) else [])]
+        text = _with_range(median, [r.throughput or 0.0 for r in measured], ",.1f")
+        return text + (f" ({'; '.join(notes)})" if notes else "")
+    row = rows[0]
     if row.error and row.error.startswith("missing"):
         return row.error
     return f"failed: {(row.error or 'no output')[:80]}"
@@ -150,13 +183,28 @@ def format_peer_table(rows: Sequence[PeerRow]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for key in _points(rows, TABLE):
         dtype, model, concurrency, _ = key
-        cells = [throughput_cell(_find(rows, TABLE, s, key)) for s in servers]
-        own = _find(rows, TABLE, SPINDLE, key)
-        best = best_peer(rows, own) if own is not None else None
-        ratio = ratio_to_best_peer(rows, own) if own is not None else None
-        vs = f"{ratio_cell(ratio, GOAL_VS_PEERS)} (vs {best.server})" if ratio is not None and best else ""
-        lines.append("| " + " | ".join([dtype, model, str(concurrency), *cells, vs]) + " |")
+        cells = [throughput_cell(_find_all(rows, TABLE, s, key)) for s in servers]
+        lines.append("| " + " | ".join([dtype, model, str(concurrency), *cells, _vs_cell(rows, key)]) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _vs_cell(rows: Sequence[PeerRow], key: tuple[str, str, int, int]) -> str:
+    """The median over rounds of spindle / best peer at `key`, its goal mark, the range over rounds
+    where there are several, and the peer that was best most often."""
+    pairs = [(ratio, best.server) for own in _find_all(rows, TABLE, SPINDLE, key)
+             if (ratio := ratio_to_best_peer(rows, own)) is not None and (best := best_peer(rows, own)) is not None]
+    if not pairs:
+        return ""
+    ratios = [ratio for ratio, _ in pairs]
+    median = statistics.median(ratios)
+    peers = [server for _, server in pairs]
+    spread = f" (rounds {min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+    return f"{ratio_cell(median, GOAL_VS_PEERS)}{spread} (vs {max(set(peers), key=peers.count)})"
+
+
+def _server_label(row: PeerRow, rows: Sequence[PeerRow]) -> str:
+    """The server's name, with the round where the rows hold several."""
+    return f"{row.server} (round {row.round})" if any(r.round > 1 for r in rows) else row.server
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +241,7 @@ def format_limit_table(rows: Sequence[PeerRow]) -> str:
             continue
         f = limit_fractions(row)
         lines.append("| " + " | ".join([
-            row.dtype, row.model, str(row.concurrency), row.server, f"{row.throughput:,.1f}",
+            row.dtype, row.model, str(row.concurrency), _server_label(row, rows), f"{row.throughput:,.1f}",
             ratio_cell(f.bandwidth, GOAL_BANDWIDTH), ratio_cell(f.gemm, GOAL_GEMM),
             ratio_cell(f.gemm_all_tokens, GOAL_GEMM),
             format_ms(row.summary.itl.p50_ms), format_ms(row.summary.itl.p99_ms),
@@ -252,7 +300,8 @@ def format_phase_table(rows: Sequence[PeerRow]) -> str:
         ms = r.step_phases_ms or {}
         transit = ([f"{r.step_transit['mean_ms']:.2f}", f"{r.step_transit['share_over_5_ms']:.1%}"]
                    if r.step_transit else ["", ""])
-        lines.append("| " + " | ".join([r.part, r.dtype, r.model, str(r.concurrency), str(r.prompt_len),
+        lines.append("| " + " | ".join([r.part + (f" (round {r.round})" if r.round > 1 else ""), r.dtype, r.model,
+                                        str(r.concurrency), str(r.prompt_len),
                                         *(f"{ms.get(p, 0.0):.2f}" for p in phases), f"{sum(ms.values()):.2f}",
                                         *transit]) + " |")
     return "\n".join(lines) + "\n"
@@ -271,8 +320,9 @@ def format_cpu_table(rows: Sequence[PeerRow]) -> str:
         ms, per_s = r.cpu_ms_per_token or {}, (r.throughput or 0.0) / 1e3
         shown = [f"{role} {value:.3f} ({value * per_s:.2f})" for role, value in ms.items() if value * per_s >= 0.005]
         own = sum(value for role, value in ms.items() if role != LOAD_CLIENT)
-        lines.append("| " + " | ".join([r.part, r.dtype, r.model, str(r.concurrency), str(r.prompt_len), r.server,
-                                        ", ".join(shown), f"{own:.3f} ({own * per_s:.2f})"]) + " |")
+        lines.append("| " + " | ".join([r.part, r.dtype, r.model, str(r.concurrency), str(r.prompt_len),
+                                        _server_label(r, rows), ", ".join(shown),
+                                        f"{own:.3f} ({own * per_s:.2f})"]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -334,11 +384,11 @@ def read_rows(paths: Sequence[Path]) -> list[PeerRow]:
     So a rerun of some cells (after a fix, or a failure on a busy machine) is merged by naming its
     file last, without editing the first run's results.
     """
-    rows: dict[tuple[str, str, tuple[str, str, int, int]], PeerRow] = {}
+    rows: dict[tuple[str, str, tuple[str, str, int, int], int], PeerRow] = {}
     for path in paths:
         for data in json.loads(path.read_text())["rows"]:
             row = row_from_dict(data)
-            rows[(row.part, row.server, _cell_key(row))] = row
+            rows[(row.part, row.server, _cell_key(row), row.round)] = row
     return list(rows.values())
 
 
@@ -372,8 +422,7 @@ def plot_peer_table(rows: Sequence[PeerRow], path: Path) -> Path | None:
             ax = axes[i][j]
             key = (dtype, model, concurrency, next(r.prompt_len for r in table if (r.model, r.concurrency) ==
                                                    (model, concurrency)))
-            found = [_find(table, TABLE, s, key) for s in servers]
-            values = [r.throughput if r is not None and r.throughput is not None else 0.0 for r in found]
+            values = [median_throughput(_find_all(table, TABLE, s, key)) or 0.0 for s in servers]
             bars = ax.bar(range(len(servers)), values, color=[colors[s] for s in servers])
             labels = [f"{v:,.0f}" if v else "n/a" for v in values]
             ax.bar_label(bars, labels, fontsize=8)
@@ -382,7 +431,8 @@ def plot_peer_table(rows: Sequence[PeerRow], path: Path) -> Path | None:
             ax.margins(y=0.15)
             if j == 0:
                 ax.set_ylabel("output tokens/s")
-    fig.suptitle("output tok/s, a fresh server per bar (n/a: missing or failed)", fontsize=10)
+    fig.suptitle("output tok/s, a fresh server per run, the median where there were several rounds "
+                 "(n/a: missing or failed)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

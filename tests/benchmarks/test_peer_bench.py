@@ -121,3 +121,15 @@ def test_gguf_fallback_only_for_gpt2_byte_level(tmp_path: Path) -> None:
     tok.write_text(json.dumps({"pre_tokenizer": {"type": "Metaspace"}}))
     assert not is_gpt2_byte_level(tok)
     assert not is_gpt2_byte_level(tmp_path / "missing.json")
+
+
+def test_rounds_repeat_the_table_interleaved_and_the_sweep_once() -> None:
+    settings = parse_settings(["--peers", "llama-cpp", "--models", "small", "--dtypes", "float32",
+                               "--concurrency", "1,64", "--rounds", "2", "--contexts", "128"])
+    assert settings.rounds == 2
+    jobs = plan(settings)
+    assert [(j.round, j.concurrency, j.server) for j in jobs if j.part == TABLE] == [
+        (r, c, s) for r in (1, 2) for c in (1, 64) for s in (SPINDLE, LLAMA)]  # a cell's servers back to back
+    assert [j.round for j in jobs if j.part == SWEEP] == [1]
+    with pytest.raises(ValueError, match="rounds"):
+        PeerBenchSettings(rounds=0)

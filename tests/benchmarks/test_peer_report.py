@@ -153,3 +153,27 @@ def test_plots_are_written(tmp_path: Path) -> None:
     written = write_outputs(rows, tmp_path, "t")
     assert [p.name for p in written] == ["t.md", "t-table.png", "t-sweep.png"]
     assert all(p.stat().st_size > 0 for p in written)
+
+
+def test_rounds_give_medians_with_ranges_and_the_median_of_each_rounds_ratio(tmp_path: Path) -> None:
+    # Round 2 was a slow minute of the host for both servers: its ratio is still taken within it.
+    rounds = [(1, 130.0, 100.0, 60.0), (2, 70.0, 50.0, 80.0), (3, 120.0, 100.0, 90.0)]
+    rows = [replace(_row(server, tok), round=r) for r, spindle, vllm, llama in rounds
+            for server, tok in ((SPINDLE, spindle), ("vllm-cpu", vllm), ("llama-cpp", llama))]
+    assert best_peer(rows, rows[3]) is rows[5]  # round 2's best peer is llama.cpp's round 2
+    assert ratio_to_best_peer(rows, rows[3]) == pytest.approx(70.0 / 80.0)
+    line = format_peer_table(rows).splitlines()[2]
+    # Ratios per round: 1.30, 0.875, 1.20 -> median 1.20; vllm-cpu was the best peer in rounds 1 and 3.
+    assert line == ("| float32 | small | 1 | 120.0 (70.0-130.0) | 100.0 (50.0-100.0) | 80.0 (60.0-90.0) "
+                    "| 1.20 ✓ (rounds 0.88-1.30) (vs vllm-cpu) |")
+    report = format_report(rows)
+    assert "| float32 | small | 1 | spindle (round 2) | 70.0 |" in report  # every round's own row
+    write_json(tmp_path / "a.json", {"timestamp": "a"}, rows)
+    assert read_rows([tmp_path / "a.json"]) == rows  # rounds of one cell are not merged away
+
+
+def test_a_failed_round_is_noted_and_left_out_of_the_median() -> None:
+    rows = [replace(_row(SPINDLE, 100.0), round=1), replace(_row(SPINDLE, None, error="TimeoutError"), round=2),
+            replace(_row("llama-cpp", 50.0), round=1), replace(_row("llama-cpp", 60.0), round=2)]
+    line = format_peer_table(rows).splitlines()[2]
+    assert line == "| float32 | small | 1 | 100.0 (1 of 2 rounds failed) | 55.0 (50.0-60.0) | 2.00 ✓ (vs llama-cpp) |"
