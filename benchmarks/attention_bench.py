@@ -30,6 +30,8 @@ import torch
 from benchmarks.limit import machine_cores
 from benchmarks.models import ensure_model
 from services.worker.attention import AttentionBackend, AttentionType, CommonAttentionMetadata, create_backend
+from services.worker.kv_cache import allocate_kv_caches
+from services.worker.models.config import DecoderConfig
 from services.worker.models.loader import load_model
 
 BLOCK_SIZE = 16
@@ -73,13 +75,21 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def random_kv_caches(config: DecoderConfig, num_blocks: int, head_major: bool) -> list[torch.Tensor]:
+    """One fp32 cache per layer in the worker's layout for a backend (kv_cache.py), filled with N(0, 1)."""
+    caches = allocate_kv_caches(config, num_blocks, BLOCK_SIZE, torch.float32, torch.device("cpu"), head_major)
+    for cache in caches:
+        cache.normal_()
+    return caches
+
+
 def time_shape(model: torch.nn.Module, backends: dict[str, AttentionBackend], seq_lens: np.ndarray,
                repeats: int) -> dict[str, tuple[float, float]]:
     """backend -> (attention ms per step over all layers, whole forward ms per step)."""
     config = model.config
     num_blocks = int((-(-seq_lens // BLOCK_SIZE)).sum()) + 8
-    shape = (2, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
-    caches = [torch.randn(shape) for _ in range(config.num_layers)]
+    caches_in = {layout: random_kv_caches(config, num_blocks, layout)  # each backend's own layout (kv_cache.py)
+                 for layout in {backend.head_major_cache for backend in backends.values()}}
     common = decode_metadata(seq_lens, num_blocks)
     gen = torch.Generator().manual_seed(0)
     t, h, kvh, d = len(seq_lens), config.num_heads, config.num_kv_heads, config.head_dim
@@ -90,13 +100,14 @@ def time_shape(model: torch.nn.Module, backends: dict[str, AttentionBackend], se
     results = {}
     for name, backend in backends.items():
         builder = backend.metadata_builder()
+        caches = caches_in[backend.head_major_cache]
 
-        def attention(backend: AttentionBackend = backend, builder=builder) -> None:
+        def attention(backend: AttentionBackend = backend, builder=builder, caches=caches) -> None:
             meta = builder.build(common, [])
             for cache in caches:
                 backend.forward(spec, q, k, v, cache, meta)
 
-        def forward(backend: AttentionBackend = backend, builder=builder) -> None:
+        def forward(backend: AttentionBackend = backend, builder=builder, caches=caches) -> None:
             for layer in model.layers:
                 layer.self_attn.backend = backend
             model(ids, positions, caches, builder.build(common, []))

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.attention_bench import BLOCK_SIZE, decode_metadata
+from benchmarks.attention_bench import BLOCK_SIZE, decode_metadata, random_kv_caches
 from benchmarks.limit import machine_cores
 from benchmarks.models import ensure_model
 from services.worker.attention import create_backend
@@ -78,9 +78,10 @@ def bench_rows(model: torch.nn.Module, rows: int, repeats: int) -> list[tuple[st
 
     seq_lens = np.full(rows, CONTEXT)
     num_blocks = int((-(-seq_lens // BLOCK_SIZE)).sum()) + 8
-    cache = torch.randn(2, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
-    meta = model.layers[0].self_attn.backend.metadata_builder().build(decode_metadata(seq_lens, num_blocks), [])
     attn = model.layers[0].self_attn
+    caches = random_kv_caches(config, num_blocks, attn.backend.head_major_cache)
+    cache = caches[0]
+    meta = attn.backend.metadata_builder().build(decode_metadata(seq_lens, num_blocks), [])
     h, kvh, d = config.num_heads, config.num_kv_heads, config.head_dim
     qkv = torch.randn(rows, (h + 2 * kvh) * d, generator=gen)
     q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
@@ -99,7 +100,6 @@ def bench_rows(model: torch.nn.Module, rows: int, repeats: int) -> list[tuple[st
     rope_alone = paired_us(lambda: rope(positions, q, k), lambda: None, repeats, 50)[0]
     out.append(("  of which torch's rotary ops", rope_alone, 0.0))
 
-    caches = [torch.randn(2, num_blocks, BLOCK_SIZE, kvh, d) for _ in range(config.num_layers)]
     common = decode_metadata(seq_lens, num_blocks)
     ids = torch.randint(0, config.vocab_size, (rows,), generator=gen)
     builder = backend.metadata_builder()

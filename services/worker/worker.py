@@ -136,7 +136,8 @@ class Worker:
         else:
             num_blocks = num_blocks_for_budget(model_config, config.block_size, self.dtype, config.kv_cache_bytes)
         self.runner = self._make_runner(
-            allocate_kv_caches(model_config, num_blocks, config.block_size, self.dtype, self.device)
+            allocate_kv_caches(model_config, num_blocks, config.block_size, self.dtype, self.device,
+                               head_major=self.backend.head_major_cache)
         )
         info = self._info(
             block_size=config.block_size,
@@ -216,7 +217,8 @@ class Worker:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         runner = self._make_runner(
-            allocate_kv_caches(self.decoder_config, num_blocks, bs, self.dtype, self.device)
+            allocate_kv_caches(self.decoder_config, num_blocks, bs, self.dtype, self.device,
+                               head_major=self.backend.head_major_cache)
         )
         sampling = SamplingOptions(temperature=1.0, top_k=50, top_p=0.9)
         profile = ExecuteRound(

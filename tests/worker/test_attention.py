@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,7 @@ from services.worker.attention import (
     resolve_backend_name,
 )
 from services.worker.input_builder import ModelInputBuilder
+from services.worker.kv_cache import allocate_kv_caches
 from services.worker.request_states import RequestStates
 from shared.execute import NewRequestData
 from shared.sampling import SamplingOptions
@@ -22,6 +25,15 @@ from shared.sampling import SamplingOptions
 BS, H, HKV, D, NUM_BLOCKS = 4, 4, 2, 8, 40
 # (tokens known, tokens computed before this pass): two decodes, a chunk after a prefix, a fresh prompt.
 REQUESTS = [(21, 20), (15, 8), (12, 0), (5, 4)]
+
+
+@dataclass(frozen=True)
+class _CacheShape:
+    """What allocate_kv_caches reads of a DecoderConfig."""
+
+    num_kv_heads: int = HKV
+    head_dim: int = D
+    num_layers: int = 1
 
 
 def _dense_reference(
@@ -46,7 +58,7 @@ def _dense_reference(
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def _setup(seed: int):
+def _setup(seed: int, head_major: bool = False):
     gen = torch.Generator().manual_seed(seed)
     states = RequestStates(max_model_len=64, block_size=BS)
     blocks = iter(torch.randperm(NUM_BLOCKS, generator=gen).tolist())
@@ -58,7 +70,7 @@ def _setup(seed: int):
     full_k = [torch.randn(n + 2, HKV, D, generator=gen) for n, _ in REQUESTS]  # every position's key
     full_v = [torch.randn(n + 2, HKV, D, generator=gen) for n, _ in REQUESTS]
     queries = [torch.randn(n + 2, H, D, generator=gen) for n, _ in REQUESTS]
-    cache = torch.zeros(2, NUM_BLOCKS, BS, HKV, D)
+    cache = allocate_kv_caches(_CacheShape(), NUM_BLOCKS, BS, torch.float32, torch.device("cpu"), head_major)[0]
     for row, (_, computed) in enumerate(REQUESTS):  # history: KV computed in earlier passes
         for pos in range(computed):
             block = states.block_table[row, pos // BS]
@@ -73,8 +85,8 @@ def _batch_tensors(positions: list[list[int]], full: list[torch.Tensor]) -> torc
 @pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("backend_name", ["sdpa", "naive", "paged"])
 def test_mixed_batch_and_decode_steps_match_dense_reference(backend_name: str, window: int | None) -> None:
-    states, rows, num_scheduled, full_k, full_v, queries, cache = _setup(seed=0)
     backend = create_backend(backend_name, BS)
+    states, rows, num_scheduled, full_k, full_v, queries, cache = _setup(seed=0, head_major=backend.head_major_cache)
     builder = ModelInputBuilder(states, backend.metadata_builder(), torch.device("cpu"))
     spec = LayerAttentionSpec(H, HKV, D, D**-0.5, window)
     inp = builder.build(rows, num_scheduled)
@@ -168,3 +180,15 @@ def test_backend_registry_resolves_auto_and_rejects_unknown_names() -> None:
         resolve_backend_name("flash-attn", "cpu")
     with pytest.raises(ValueError, match="unknown attention backend 'xformers'"):
         resolve_backend_name("xformers", "cpu")
+
+
+def test_the_paged_backend_gets_a_head_major_cache_of_the_same_shape() -> None:
+    """Head-major: each block's keys of one KV head lie in one run (kv_cache.py); the shape, and so
+    every index into it, is the token-major one."""
+    token, head = (allocate_kv_caches(_CacheShape(num_layers=2), NUM_BLOCKS, BS, torch.float32, torch.device("cpu"),
+                                      head_major)
+                   for head_major in (False, True))
+    assert len(head) == 2 and head[0].shape == token[0].shape == (2, NUM_BLOCKS, BS, HKV, D)
+    assert token[0].is_contiguous() and not torch.count_nonzero(head[0])
+    assert head[0].stride() == (NUM_BLOCKS * HKV * BS * D, HKV * BS * D, D, BS * D, 1)
+    assert create_backend("paged", BS).head_major_cache and not create_backend("sdpa", BS).head_major_cache

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from services.worker.attention import create_backend
 from services.worker.attention.base import AttentionType, CommonAttentionMetadata, LayerAttentionSpec
 from services.worker.attention.paged import create
+from services.worker.kv_cache import allocate_kv_caches
 from services.worker.models.decoder import RMSNorm
 from services.worker.models.fused import DISABLE_ENV, fused_kernels_error
 from services.worker.models.loader import load_model
@@ -126,8 +127,8 @@ def _greedy(model: torch.nn.Module, backend, prompt: list[int], steps: int) -> t
     """Greedy tokens from prefill + decode steps through the paged cache, and the prefill's hidden states."""
     config = model.config
     block_size, blocks = 16, 8
-    caches = [torch.zeros(2, blocks, block_size, config.num_kv_heads, config.head_dim)
-              for _ in range(config.num_layers)]
+    caches = allocate_kv_caches(config, blocks, block_size, torch.float32, torch.device("cpu"),
+                                backend.head_major_cache)
     tokens, first_hidden = list(prompt), None
     builder = backend.metadata_builder()
     done = 0

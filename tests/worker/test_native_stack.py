@@ -17,6 +17,7 @@ import torch
 
 from services.worker.attention import create_backend
 from services.worker.attention.base import AttentionType, CommonAttentionMetadata
+from services.worker.kv_cache import allocate_kv_caches
 from services.worker.models.decoder import DecoderForCausalLM
 from services.worker.models.fast_linear import FastLinear, store_weights_as
 from services.worker.models.loader import load_model
@@ -67,8 +68,8 @@ def _run(model: DecoderForCausalLM, native: bool, prompts: list[list[int]], step
     config = model.config
     stack = model.native_stack
     model.native_stack = stack if native else None
-    caches = [torch.zeros(2, len(prompts) * BLOCKS_PER_ROW, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
-              for _ in range(config.num_layers)]
+    caches = allocate_kv_caches(config, len(prompts) * BLOCKS_PER_ROW, BLOCK_SIZE, torch.float32,
+                                torch.device("cpu"), head_major=True)  # the paged backend's layout
     out = []
     tokens = [list(p) for p in prompts]
     try:

@@ -37,10 +37,12 @@ def _reference(q, k, v, first_pos, window, softcap, scale):
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
 
 
-def _case(seed, heads, kv_heads, head_dim, block_size, dtype, rows=ROWS):
+def _case(seed, heads, kv_heads, head_dim, block_size, dtype, rows=ROWS, head_major=False):
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // block_size) for n, _ in rows) + 5
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    if head_major:  # the same values, each block's heads apart in memory (kv_cache.py)
+        cache = cache.transpose(2, 3).contiguous().transpose(2, 3)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     max_blocks = max(-(-n // block_size) for n, _ in rows)
     tables = torch.zeros(len(rows), max_blocks + 2, dtype=torch.int64)  # wider than needed, as in a round
@@ -53,8 +55,7 @@ def _case(seed, heads, kv_heads, head_dim, block_size, dtype, rows=ROWS):
         for pos in range(n):
             slot = int(tables[r, pos // block_size]) * block_size + pos % block_size
             if pos < n - q_len:  # history written by earlier passes
-                cache[0].view(-1, kv_heads, head_dim)[slot] = full_k[r][pos]
-                cache[1].view(-1, kv_heads, head_dim)[slot] = full_v[r][pos]
+                cache[:, slot // block_size, slot % block_size] = torch.stack([full_k[r][pos], full_v[r][pos]])
             else:
                 slots.append(slot)
     q_lens = np.array([q for _, q in rows])
@@ -78,13 +79,15 @@ def _case(seed, heads, kv_heads, head_dim, block_size, dtype, rows=ROWS):
     return cache, common, query, key, value, full_k, full_v
 
 
+@pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size", "window", "softcap"),
     [(8, 2, 64, 16, None, None), (4, 4, 32, 4, 7, None), (6, 1, 16, 8, 20, 5.0), (16, 4, 128, 16, 1, None)],
 )
-def test_kernel_matches_dense_reference(dtype, heads, kv_heads, head_dim, block_size, window, softcap) -> None:
-    _check_against_reference(dtype, heads, kv_heads, head_dim, block_size, window, softcap, ROWS)
+def test_kernel_matches_dense_reference(dtype, heads, kv_heads, head_dim, block_size, window, softcap,
+                                        head_major) -> None:
+    _check_against_reference(dtype, heads, kv_heads, head_dim, block_size, window, softcap, ROWS, head_major)
 
 
 @pytest.mark.parametrize(("rows", "threads"), [(ROWS, 1), (ROWS[5:7], 2)])
@@ -94,13 +97,16 @@ def test_items_over_all_kv_heads_and_one_kv_head_each(rows, threads) -> None:
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        _check_against_reference(torch.float32, 8, 4, 32, 8, None, None, rows)
+        _check_against_reference(torch.float32, 8, 4, 32, 8, None, None, rows, head_major=True)
     finally:
         torch.set_num_threads(previous)
 
 
-def _check_against_reference(dtype, heads, kv_heads, head_dim, block_size, window, softcap, rows) -> None:
-    cache, common, query, key, value, full_k, full_v = _case(0, heads, kv_heads, head_dim, block_size, dtype, rows)
+def _check_against_reference(dtype, heads, kv_heads, head_dim, block_size, window, softcap, rows,
+                             head_major=False) -> None:
+    cache, common, query, key, value, full_k, full_v = _case(0, heads, kv_heads, head_dim, block_size, dtype, rows,
+                                                             head_major)
+    layout = cache.stride()
     backend = create(block_size)
     spec = LayerAttentionSpec(heads, kv_heads, head_dim, head_dim**-0.5, window)
     if softcap:
@@ -113,8 +119,10 @@ def _check_against_reference(dtype, heads, kv_heads, head_dim, block_size, windo
                               spec.scale)
         tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
         torch.testing.assert_close(out[starts[r] : starts[r + 1]].double(), expected, atol=tol, rtol=tol)
-    flat_k, flat_v = cache[0].view(-1, kv_heads, head_dim), cache[1].view(-1, kv_heads, head_dim)
-    assert torch.equal(flat_k[common.slot_mapping], key) and torch.equal(flat_v[common.slot_mapping], value)
+    slots = common.slot_mapping
+    written = cache[:, slots // block_size, slots % block_size]  # [2, tokens, kv_heads, head_dim]
+    assert torch.equal(written[0], key) and torch.equal(written[1], value)
+    assert cache.stride() == layout  # written in place, in its own layout
 
 
 def _with_softcap(spec: LayerAttentionSpec, softcap: float):

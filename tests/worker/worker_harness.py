@@ -35,7 +35,8 @@ def make_runner(
     config = parse_config(read_hf_config(model_dir))
     attn = create_backend(backend, block_size)
     model = load_model(model_dir, attn, torch.float32, device)
-    caches = allocate_kv_caches(config, num_blocks, block_size, torch.float32, device)
+    caches = allocate_kv_caches(config, num_blocks, block_size, torch.float32, device,
+                                head_major=attn.head_major_cache)
     return ModelRunner(
         model,
         attn,

@@ -94,6 +94,9 @@ class AttentionBackend(ABC):
     supports_logit_softcap: bool = False
     # Backends that can rotate q and k themselves (at the KV write) say so and offer `forward_rotary`.
     fuses_rotary: bool = False
+    # The KV cache's order in memory this backend reads fastest and handles (kv_cache.py): head-major
+    # or, by default, token-major (contiguous).
+    head_major_cache: bool = False
 
     def check_spec(self, spec: LayerAttentionSpec) -> None:
         """Raise ValueError, naming the option, for a layer this backend cannot compute exactly.

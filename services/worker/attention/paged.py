@@ -81,6 +81,7 @@ class PagedBackend(AttentionBackend):
     name = "paged"
     supports_logit_softcap = True  # the kernel caps scores (LayerAttentionSpec.logit_softcap)
     fuses_rotary = True  # forward_rotary: the kernel rotates q and k (fp32) as it loads / stores them
+    head_major_cache = True  # the kernel walks a row's blocks one KV head at a time (kv_cache.py)
 
     def __init__(self, block_size: int) -> None:
         load_kernels()  # raises KernelBuildError; the registry only picks this backend when it loads

@@ -7,7 +7,14 @@
 // block at a time into an L1-sized float buffer.
 //
 // Layout (services/worker/kv_cache.py): kv_cache [2, num_blocks, block_size, num_kv_heads,
-// head_dim], keys then values; slot = block * block_size + offset. Tokens are packed
+// head_dim], keys then values; slot = block * block_size + offset. The kernel reads the cache
+// through its strides (only head_dim must be contiguous), so the allocator picks the order in
+// memory: the paged backend asks for head-major blocks (each block's keys of one KV head are
+// block_size x head_dim floats in a row, its values likewise), which a block-by-block walk of one
+// head reads as two sequential runs instead of block_size rows num_kv_heads x head_dim apart
+// (decode, 64 rows, median of 30 interleaved samples, outputs bit for bit equal: medium shapes
+// 4.15 -> 3.62 ms per layer at 256 tokens of context, 14.9 -> 13.1 at 1,024; small shapes 1.06
+// -> 0.97 and 4.00 -> 3.58). Tokens are packed
 // ([num_tokens, heads, head_dim]); row r owns tokens query_start_loc[r] ..
 // query_start_loc[r + 1], the last query_len tokens of its seq_lens[r]-token sequence.
 //
@@ -87,11 +94,14 @@ inline void prefetch_line(const void* p) {
 }
 
 struct Shape {
-  int64_t num_heads, num_kv_heads, head_dim, block_size, num_blocks;
+  int64_t num_heads, num_kv_heads, head_dim, block_size;
   int64_t q_stride, out_stride;  // elements between consecutive tokens
   int64_t bt_stride;             // elements between block-table rows
   float scale, softcap;          // softcap 0: none
   int64_t window;                // 0: no sliding window
+  // The cache's strides in elements (its layout is the allocator's choice, see kv_cache.py):
+  // keys to values, block to block, token to token within a block, KV head to KV head.
+  int64_t kv_stride, block_stride, token_stride, head_stride;
 };
 
 // Rotary tables for the fused rotation; cos == nullptr: q and k arrive rotated already.
@@ -194,11 +204,11 @@ class ItemKernel {
   // Asks for the next block's keys and values of this KV head while this one is computed: the
   // blocks of a row lie anywhere in the pool, so no hardware prefetcher can guess the next one.
   void prefetch_block(int64_t block, int64_t kv_head) const {
-    const int64_t BS = s_.block_size, tok = s_.num_kv_heads * s_.head_dim;
-    const char* k = reinterpret_cast<const char*>(cache_ + block * BS * tok + kv_head * s_.head_dim);
-    const int64_t values = s_.num_blocks * BS * tok * static_cast<int64_t>(sizeof(kv_t));
-    const int64_t row_bytes = s_.head_dim * static_cast<int64_t>(sizeof(kv_t)), stride = tok * sizeof(kv_t);
-    for (int64_t j = 0; j < BS; ++j) {
+    const char* k = reinterpret_cast<const char*>(cache_ + block * s_.block_stride + kv_head * s_.head_stride);
+    const int64_t values = s_.kv_stride * static_cast<int64_t>(sizeof(kv_t));
+    const int64_t row_bytes = s_.head_dim * static_cast<int64_t>(sizeof(kv_t));
+    const int64_t stride = s_.token_stride * static_cast<int64_t>(sizeof(kv_t));
+    for (int64_t j = 0; j < s_.block_size; ++j) {
       for (int64_t at = 0; at < row_bytes; at += 64) {
         prefetch_line(k + j * stride + at);
         prefetch_line(k + values + j * stride + at);
@@ -209,9 +219,9 @@ class ItemKernel {
   // An fp32 cache is read where it lies; other dtypes are converted once per block into an
   // L1-resident buffer that every query vector of the item then reuses.
   Block load_block(int64_t block, int64_t kv_head) {
-    const int64_t D = s_.head_dim, BS = s_.block_size, tok = s_.num_kv_heads * D;
-    const kv_t* k = cache_ + block * BS * tok + kv_head * D;
-    const kv_t* v = k + s_.num_blocks * BS * tok;
+    const int64_t D = s_.head_dim, BS = s_.block_size, tok = s_.token_stride;
+    const kv_t* k = cache_ + block * s_.block_stride + kv_head * s_.head_stride;
+    const kv_t* v = k + s_.kv_stride;
     if constexpr (std::is_same_v<kv_t, float>) {
       return {k, v, tok};
     } else {
@@ -345,18 +355,17 @@ class ItemKernel {
 // Stores this pass's keys (rotated first where `rope` says) and values at their slots,
 // converting to the cache's dtype.
 template <typename q_t, typename kv_t>
-void write_kv(const at::Tensor& key, const at::Tensor& value, kv_t* cache, const int64_t* slots,
-              int64_t num_blocks, int64_t block_size, const Rope& rope) {
+void write_kv(const Shape& s, const at::Tensor& key, const at::Tensor& value, kv_t* cache, const int64_t* slots,
+              const Rope& rope) {
   const int64_t T = key.size(0), D = key.size(2), tok = key.size(1) * D;
   const q_t* k = key.data_ptr<q_t>();
   const q_t* v = value.data_ptr<q_t>();
-  const int64_t ks = key.stride(0), vs = value.stride(0), values_at = num_blocks * block_size * tok;
+  const int64_t ks = key.stride(0), vs = value.stride(0);
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> rotated(tok);
     for (int64_t t = begin; t < end; ++t) {
       if (slots[t] < 0) continue;  // padding token: nothing to store
-      kv_t* dk = cache + slots[t] * tok;
-      kv_t* dv = dk + values_at;
+      kv_t* slot = cache + slots[t] / s.block_size * s.block_stride + slots[t] % s.block_size * s.token_stride;
       const q_t* src = k + t * ks;
       if constexpr (std::is_same_v<q_t, float>) {  // rope_args allows rotation for fp32 only
         if (rope.cos != nullptr) {
@@ -365,8 +374,12 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, kv_t* cache, const
           src = rotated.data();
         }
       }
-      for (int64_t e = 0; e < tok; ++e) dk[e] = from_float<kv_t>(to_float(src[e]));
-      for (int64_t e = 0; e < tok; ++e) dv[e] = from_float<kv_t>(to_float(v[t * vs + e]));
+      for (int64_t h = 0; h < key.size(1); ++h) {  // a head-major cache keeps a token's heads apart
+        kv_t* dk = slot + h * s.head_stride;
+        kv_t* dv = dk + s.kv_stride;
+        for (int64_t e = 0; e < D; ++e) dk[e] = from_float<kv_t>(to_float(src[h * D + e]));
+        for (int64_t e = 0; e < D; ++e) dv[e] = from_float<kv_t>(to_float(v[t * vs + h * D + e]));
+      }
     }
   });
 }
@@ -382,7 +395,7 @@ void run_typed(const Shape& s, const at::Tensor& query, const at::Tensor& key, c
                const Rope& rope, at::Tensor& out) {
   kv_t* cache = kv_cache.data_ptr<kv_t>();
   if (slot_mapping.numel() > 0) {
-    write_kv<q_t, kv_t>(key, value, cache, slot_mapping.data_ptr<int64_t>(), s.num_blocks, s.block_size, rope);
+    write_kv<q_t, kv_t>(s, key, value, cache, slot_mapping.data_ptr<int64_t>(), rope);
   }
   // With items enough to keep every thread busy, each takes all KV heads (whole blocks, read in
   // order); with few (one long row), each KV head is its own piece of work so threads share it.
@@ -465,8 +478,9 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_in,
                            const at::Tensor& work_items, double scale, int64_t window, double softcap,
                            const c10::optional<at::Tensor>& positions, const c10::optional<at::Tensor>& cos,
                            const c10::optional<at::Tensor>& sin) {
-  TORCH_CHECK(kv_cache.device().is_cpu() && kv_cache.is_contiguous() && kv_cache.dim() == 5,
-              "paged_attention: kv_cache must be a contiguous CPU tensor [2, blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(kv_cache.device().is_cpu() && kv_cache.dim() == 5 && kv_cache.stride(4) == 1,
+              "paged_attention: kv_cache must be a CPU tensor [2, blocks, block_size, kv_heads, dim] with each "
+              "head's dim contiguous");
   for (const at::Tensor* t : {&slot_mapping, &block_tables, &seq_lens, &query_start_loc, &work_items}) {
     TORCH_CHECK(t->scalar_type() == at::kLong, "paged_attention: index tensors must be int64");
   }
@@ -481,10 +495,11 @@ at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_in,
               "paged_attention: head shapes do not match the cache");
   const Rope rope = rope_args(positions, cos, sin, query, key);
   at::Tensor out = at::empty(query.sizes(), query.options());
-  const Shape s{query.size(1),     kv_cache.size(3),       kv_cache.size(4),
-                kv_cache.size(2),  kv_cache.size(1),       query.stride(0),
-                out.stride(0),     block_tables.stride(0), static_cast<float>(scale),
-                static_cast<float>(softcap), window};
+  const Shape s{query.size(1),      kv_cache.size(3),       kv_cache.size(4),
+                kv_cache.size(2),   query.stride(0),        out.stride(0),
+                block_tables.stride(0), static_cast<float>(scale), static_cast<float>(softcap),
+                window,             kv_cache.stride(0),     kv_cache.stride(1),
+                kv_cache.stride(2), kv_cache.stride(3)};
   switch (query.scalar_type()) {
     case at::kFloat:
       dispatch_cache<float>(s, query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
