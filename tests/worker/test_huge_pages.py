@@ -1,0 +1,49 @@
+"""The worker package asks torch for transparent huge pages under large CPU tensors (services/worker/__init__.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+ENV = "THP_MEM_ALLOC_ENABLE"
+
+# A fresh interpreter: torch first (as a test run or a tool might), then the worker package, then a
+# 64 MB tensor; prints the setting it saw and the process's huge-page memory in kB.
+PROBE = """
+import torch
+import services.worker
+import os
+x = torch.ones(16 * 2**20)
+huge = [line.split()[1] for line in open('/proc/self/smaps_rollup') if line.startswith('AnonHugePages')]
+print(os.environ.get('THP_MEM_ALLOC_ENABLE'), huge[0] if huge else 'n/a')
+"""
+
+
+def _probe(setting: str | None = None) -> tuple[str, str]:
+    """(the setting the probe saw, its huge-page kB), with `setting` given or else unset: this test
+    process imported the package too, so its own value must not be inherited."""
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    if setting is not None:
+        env[ENV] = setting
+    out = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, capture_output=True, text=True, check=True,
+                         env=env)
+    seen, huge_kb = out.stdout.split()
+    return seen, huge_kb
+
+
+@pytest.mark.skipif(not THP_MODE.exists() or "[never]" in THP_MODE.read_text(),
+                    reason="this kernel gives no transparent huge pages")
+def test_large_tensors_get_huge_pages_after_the_worker_package_is_imported() -> None:
+    setting, huge_kb = _probe()
+    assert setting == "1"
+    assert int(huge_kb) >= 32 * 1024  # most of the 64 MB tensor sits in 2 MB pages
+
+
+def test_an_explicit_setting_is_kept() -> None:
+    assert _probe("0")[0] == "0"
