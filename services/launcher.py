@@ -66,7 +66,7 @@ class ServeConfig:
     api_key_file: str = ""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.metrics_port <= 65535 - 2 - self.num_workers:
+        if not 0 <= self.metrics_port <= 65535 - 1 - self.num_workers:  # the last port: +1 + num_workers
             raise ValueError(f"metrics_port={self.metrics_port} leaves no room for {self.num_workers + 2} ports")
         if self.num_workers < 1:
             raise ValueError(f"num_workers={self.num_workers} must be at least 1")
