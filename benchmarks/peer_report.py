@@ -143,10 +143,10 @@ def _with_range(median: float, values: Sequence[float], fmt: str) -> str:
     return f"{median:{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
-def throughput_cell(found: PeerRow | Sequence[PeerRow] | None) -> str:
-    """tok/s (over rounds: the median and the range), or why there is none: "missing: ..." kept
-    verbatim, other errors as "failed"; failed and short requests of any round noted."""
-    rows = [found] if isinstance(found, PeerRow) else list(found or ())
+def throughput_cell(rows: Sequence[PeerRow]) -> str:
+    """tok/s of a server's rows at one point (over rounds: the median and the range), or why there is
+    none: "missing: ..." kept verbatim, other errors as "failed"; failed and short requests of any
+    round noted."""
     if not rows:
         return "not run"
     median = median_throughput(rows)
@@ -202,9 +202,9 @@ def _vs_cell(rows: Sequence[PeerRow], key: tuple[str, str, int, int]) -> str:
     return f"{ratio_cell(median, GOAL_VS_PEERS)}{spread} (vs {max(set(peers), key=peers.count)})"
 
 
-def _server_label(row: PeerRow, rows: Sequence[PeerRow]) -> str:
-    """The server's name, with the round where the rows hold several."""
-    return f"{row.server} (round {row.round})" if any(r.round > 1 for r in rows) else row.server
+def _with_round(text: str, row: PeerRow, rows: Sequence[PeerRow]) -> str:
+    """`text`, with `row`'s round where the rows hold several."""
+    return f"{text} (round {row.round})" if any(r.round > 1 for r in rows) else text
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +241,7 @@ def format_limit_table(rows: Sequence[PeerRow]) -> str:
             continue
         f = limit_fractions(row)
         lines.append("| " + " | ".join([
-            row.dtype, row.model, str(row.concurrency), _server_label(row, rows), f"{row.throughput:,.1f}",
+            row.dtype, row.model, str(row.concurrency), _with_round(row.server, row, rows), f"{row.throughput:,.1f}",
             ratio_cell(f.bandwidth, GOAL_BANDWIDTH), ratio_cell(f.gemm, GOAL_GEMM),
             ratio_cell(f.gemm_all_tokens, GOAL_GEMM),
             format_ms(row.summary.itl.p50_ms), format_ms(row.summary.itl.p99_ms),
@@ -300,7 +300,7 @@ def format_phase_table(rows: Sequence[PeerRow]) -> str:
         ms = r.step_phases_ms or {}
         transit = ([f"{r.step_transit['mean_ms']:.2f}", f"{r.step_transit['share_over_5_ms']:.1%}"]
                    if r.step_transit else ["", ""])
-        lines.append("| " + " | ".join([r.part + (f" (round {r.round})" if r.round > 1 else ""), r.dtype, r.model,
+        lines.append("| " + " | ".join([_with_round(r.part, r, measured), r.dtype, r.model,
                                         str(r.concurrency), str(r.prompt_len),
                                         *(f"{ms.get(p, 0.0):.2f}" for p in phases), f"{sum(ms.values()):.2f}",
                                         *transit]) + " |")
@@ -321,7 +321,7 @@ def format_cpu_table(rows: Sequence[PeerRow]) -> str:
         shown = [f"{role} {value:.3f} ({value * per_s:.2f})" for role, value in ms.items() if value * per_s >= 0.005]
         own = sum(value for role, value in ms.items() if role != LOAD_CLIENT)
         lines.append("| " + " | ".join([r.part, r.dtype, r.model, str(r.concurrency), str(r.prompt_len),
-                                        _server_label(r, rows), ", ".join(shown),
+                                        _with_round(r.server, r, rows), ", ".join(shown),
                                         f"{own:.3f} ({own * per_s:.2f})"]) + " |")
     return "\n".join(lines) + "\n"
 
