@@ -154,7 +154,9 @@ class ModelInputBuilder:
         token = the sampled token, position + 1, seq_len + 1,
         slot = block_table[row, pos // block_size] * block_size + pos % block_size.
         """
-        bs, common = self.block_size, prev.common
+        common = prev.common
+        if keep is None and common.num_reqs == len(prev.sample_rows) and common.max_query_len == 1:
+            return self._advance_all(prev, sampled)
         logits_indices, sample_index = prev.logits_indices, prev.sample_index
         sample_index_host, sample_rows = prev.sample_index_host, prev.sample_rows
         if keep is not None:
@@ -162,13 +164,10 @@ class ModelInputBuilder:
             sampled, logits_indices, sample_index = sampled[keep_d], logits_indices[keep_d], sample_index[keep_d]
             sample_index_host, sample_rows = sample_index_host[keep], sample_rows[keep]
         num = len(sample_rows)
-        all_rows = common.num_reqs == num and common.max_query_len == 1  # already decode-only
         positions = prev.positions[logits_indices] + 1
-        seq_lens = (common.seq_lens if all_rows else common.seq_lens[sample_index]) + 1
         assert common.block_tables is not None
-        block_tables = common.block_tables if all_rows else common.block_tables[sample_index]
-        slot_mapping = block_tables.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
-        seq_lens_host = (common.seq_lens_host if all_rows else common.seq_lens_host[sample_index_host]) + 1
+        block_tables = common.block_tables[sample_index]
+        seq_lens_host = common.seq_lens_host[sample_index_host] + 1
         arange = torch.arange(num + 1, device=self.device)
         new_common = CommonAttentionMetadata(
             attn_type=AttentionType.DECODER,
@@ -177,11 +176,11 @@ class ModelInputBuilder:
             max_query_len=1,
             max_seq_len=int(seq_lens_host.max(initial=0)),
             query_start_loc=arange,
-            seq_lens=seq_lens,
+            seq_lens=common.seq_lens[sample_index] + 1,
             query_lens_host=np.ones(num, np.int64),
             seq_lens_host=seq_lens_host,
             block_tables=block_tables,
-            slot_mapping=slot_mapping,
+            slot_mapping=self._slots(block_tables, positions),
         )
         self.states.num_computed_tokens[sample_rows] += 1
         return ModelInput(
@@ -194,3 +193,47 @@ class ModelInputBuilder:
             common=new_common,
             attn_metadata=self.metadata_builder.build(new_common, []),
         )
+
+    def _advance_all(self, prev: ModelInput, sampled: torch.Tensor) -> ModelInput:
+        """`advance` where every row of `prev` decoded one token and decodes the next (a decode
+        round's steady state): the batch's layout and its index tensors stay as they are, only
+        positions, lengths and slots move on by one. Each small op left out here costs a
+        multiple of its microbenchmark time right after a forward pass (cold caches), and at one
+        stream of a small model these ops were a fifth of the step."""
+        common = prev.common
+        assert common.block_tables is not None and common.slot_mapping is not None
+        positions = prev.positions + 1
+        seq_lens_host = common.seq_lens_host + 1
+        if ((seq_lens_host - 1) % self.block_size).all():  # no row starts a block: its next slot follows its last
+            slot_mapping = common.slot_mapping + 1
+        else:
+            slot_mapping = self._slots(common.block_tables, positions)
+        new_common = CommonAttentionMetadata(
+            attn_type=AttentionType.DECODER,
+            num_reqs=common.num_reqs,
+            num_tokens=common.num_tokens,
+            max_query_len=1,
+            max_seq_len=common.max_seq_len + 1,
+            query_start_loc=common.query_start_loc,
+            seq_lens=common.seq_lens + 1,
+            query_lens_host=common.query_lens_host,
+            seq_lens_host=seq_lens_host,
+            block_tables=common.block_tables,
+            slot_mapping=slot_mapping,
+        )
+        self.states.num_computed_tokens[prev.sample_rows] += 1
+        return ModelInput(
+            input_ids=sampled,
+            positions=positions,
+            logits_indices=prev.logits_indices,
+            sample_index=prev.sample_index,
+            sample_index_host=prev.sample_index_host,
+            sample_rows=prev.sample_rows,
+            common=new_common,
+            attn_metadata=self.metadata_builder.advance(prev.attn_metadata, new_common),
+        )
+
+    def _slots(self, block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """KV-cache slot of each row's token at `positions` (one token per row)."""
+        bs = self.block_size
+        return block_tables.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from services.worker.attention.padded import PaddedMetadataBuilder
+from services.worker.attention.paged import PagedMetadataBuilder
 from services.worker.input_builder import ModelInputBuilder
 from services.worker.request_states import RequestStates
 from shared.errors import InvalidArgumentError
@@ -73,6 +74,30 @@ def test_multi_step_advance_on_device_matches_hand_computed_slots() -> None:
     assert step2.common.slot_mapping.tolist() == [26, 11, 49]
     assert step2.common.max_seq_len == 11
     assert states.num_computed_tokens[step2.sample_rows].tolist() == [11, 8, 6]
+
+
+def test_decode_steps_across_block_boundaries_keep_slots_and_work_items_right() -> None:
+    """The decode-only steady state moves slots on by one and keeps the work items; where a row
+    starts a new block its slot comes from the block table, and the order stays longest first."""
+    states = RequestStates(max_model_len=64, block_size=BS)
+    states.add(_new("E", [1, 2, 3], 2, [5, 9, 4]))  # decoding from position 2
+    states.add(_new("F", [1, 2, 3, 4, 5, 6], 5, [7, 3, 6]))  # decoding from position 5
+    rows, num_scheduled = states.add_and_extend(
+        ExecuteRound(round_id=1, new_requests=[], cached_requests=CachedRequestData(["E", "F"], [[], []]),
+                     num_scheduled_tokens=[1, 1])
+    )
+    builder = ModelInputBuilder(states, PagedMetadataBuilder(BS), torch.device("cpu"))
+    step = builder.build(rows, num_scheduled)
+    tables = {0: [5, 9, 4], 1: [7, 3, 6]}
+    for k in range(1, 7):
+        step = builder.advance(step, torch.tensor([100 + k, 200 + k]))
+        positions = [2 + k, 5 + k]
+        assert step.positions.tolist() == positions
+        assert step.common.slot_mapping.tolist() == [tables[i][p // BS] * BS + p % BS for i, p in enumerate(positions)]
+        assert step.common.seq_lens.tolist() == step.common.seq_lens_host.tolist() == [p + 1 for p in positions]
+        fresh = PagedMetadataBuilder(BS).build(step.common, [])
+        assert step.attn_metadata.work_items.tolist() == fresh.work_items.tolist() == [[1, 0, 1], [0, 0, 1]]
+    assert states.num_computed_tokens[rows].tolist() == [9, 12]
 
 
 def test_round_beyond_allocated_blocks_is_rejected() -> None:

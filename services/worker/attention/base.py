@@ -85,6 +85,12 @@ class AttentionMetadataBuilder(ABC):
     def build(self, common: CommonAttentionMetadata, arrays: list[torch.Tensor]) -> Any:
         """Backend metadata for one forward pass; `arrays` are `prepare`'s, on the device."""
 
+    def advance(self, prev: Any, common: CommonAttentionMetadata) -> Any:
+        """Metadata for the next decode step of a decode-only batch, every row one token further
+        on (`common`); `prev` is this builder's metadata of the step before. Backends whose
+        metadata survives that move reuse it; the rest build it anew."""
+        return self.build(common, [])
+
 
 class AttentionBackend(ABC):
     """One attention implementation over the paged KV cache."""

@@ -74,6 +74,14 @@ class PagedMetadataBuilder(AttentionMetadataBuilder):
         items = work_items(np.asarray(common.query_lens_host), np.asarray(common.seq_lens_host))
         return PagedMetadata(common, torch.from_numpy(items))
 
+    def advance(
+        self, prev: PagedMetadata | PaddedMetadata, common: CommonAttentionMetadata
+    ) -> PagedMetadata | PaddedMetadata:
+        """Every row one token longer keeps its place in the longest-first order: the work items stay."""
+        if isinstance(prev, PagedMetadata):
+            return PagedMetadata(common, prev.work_items)
+        return self.build(common, [])
+
 
 class PagedBackend(AttentionBackend):
     """Decoder attention through `torch.ops.spindle.paged_attention`; needs the kernels loaded."""
