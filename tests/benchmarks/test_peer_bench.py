@@ -114,6 +114,19 @@ def test_steady_state_is_after_the_last_first_token_and_before_the_first_end() -
     assert steady_state_itls([failed]) == []
 
 
+def test_steady_state_survives_a_tenth_of_the_batch_ending_before_the_last_starts() -> None:
+    # Ten sent together: `early` ran alone to its end (0.1 .. 0.5) before the others' first tokens at 1.0.
+    early = RequestResult(8, 5, output_tokens=5, ttft_s=0.1, itls_s=[0.1] * 4, e2e_s=0.5)
+    rest = [RequestResult(8, 11, output_tokens=11, ttft_s=1.0, itls_s=[0.2] * 10, e2e_s=3.05 + i) for i in range(9)]
+    gaps = steady_state_itls([early, *rest])
+    # The window is (1.0, 3.05]: each of the nine has its ten gaps of 0.2 in it, `early` none.
+    assert gaps == pytest.approx([0.2] * 90)
+    # Every request must decode: nothing is left.
+    assert steady_state_itls([early, *rest], min_decoding=1.0) == []
+    # Two of ten ending that early is more than a tenth: no steady state.
+    assert steady_state_itls([early, early, *rest[:8]]) == []
+
+
 def test_gguf_fallback_only_for_gpt2_byte_level(tmp_path: Path) -> None:
     tok = tmp_path / "tokenizer.json"
     tok.write_text(json.dumps({"pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}}))
