@@ -19,9 +19,24 @@
 // query_start_loc[r + 1], the last query_len tokens of its seq_lens[r]-token sequence.
 //
 // Work is split into items (row, query tile) chosen by the Python side (largest first); with
-// at least 4 items per thread each covers every KV head, walking a block's heads in turn while
-// the next block is prefetched (a row's blocks lie anywhere in the pool), else each KV head of
-// an item is a piece of work of its own. Threads take the next piece from one atomic counter,
+// at least 4 items per thread each covers every KV head, walking a block's heads in turn, else
+// each KV head of an item is a piece of work of its own. A row's blocks lie anywhere in the
+// pool, so the kernel prefetches them itself. In decode (one query vector per head), while one
+// head-block (one block's keys and values of one KV head) computes, the next in that walk is
+// asked for: its keys before the scores, its values before the weighted sum. Asking for the next
+// block of the same head, all its lines at once, kept the threads waiting on memory with the KV
+// cold (decode, 64 rows x 1,024 tokens, medium shapes, blocks spread over the pool: 85-94 ->
+// 71-76 ns per token and KV head per thread in interleaved runs; the small model's 64-stream
+// decode step at 1,024 tokens, served, median of six interleaved runs 30.7 -> 26.7 ms); with the
+// KV in L2 it then cost ~10 % (35 -> 38-41 ns), and with the walk in every item the medium
+// model's 64-stream table cell (128-token prompts, about half its time in prefill) lost ~4 % in
+// four of four interleaved pairs (cause not isolated). So a prefill tile (several query vectors
+// per head, each head-block read once for all of them) keeps asking for the same head's next
+// block, all at once, and only decode walks head-blocks: 2026-11-27, interleaved against the
+// walk-less kernel, medium shapes, 64 rows: cold at 1,024 tokens 87-92 -> 76-81 ns, hot at 256
+// tokens 40-49 -> 36-42 ns (3 of 3 each); the table cell 240.1 / 235.4 / 256.6 -> 265.8 /
+// 242.1 / 240.6 tok/s; the small model's served decode step at 1,024 tokens faster in 5 of 6
+// pairs (median 24.8 -> 23.2 ms). Threads take the next piece from one atomic counter,
 // so one long row never leaves the other thread idle. Each piece keeps, per query vector (token
 // x query head), a flash-style online softmax in fp32: running max, running sum and an fp32
 // accumulator, rescaled once per block.
@@ -162,7 +177,21 @@ class ItemKernel {
     for (int64_t b = lo / BS; b * BS < hi; ++b) {
       const int64_t j0 = b * BS;
       for (int64_t kh = kh_begin; kh < kh_end; ++kh) {
-        if ((b + 1) * BS < hi) prefetch_block(table[b + 1], kh);
+        // One query vector per head (decode): the head-block computed next (this block's next
+        // KV head, or the next block's first) is asked for by the first `accumulate` call on
+        // this one, in two halves (see there). Several (a prefill tile): the same head's next
+        // block, all at once, before this one is read (top of this file).
+        Raw next;
+        if (nq == 1 && kh + 1 < kh_end) {
+          next = raw(table[b], kh + 1);
+        } else if (nq == 1 && (b + 1) * BS < hi) {
+          next = raw(table[b + 1], kh_begin);
+        } else if ((b + 1) * BS < hi) {
+          const Raw ahead = raw(table[b + 1], kh);
+          prefetch_keys(ahead);
+          prefetch_values(ahead);
+        }
+        const Raw* pending = next.k != nullptr ? &next : nullptr;
         const Block block = load_block(table[b], kh);
         for (int64_t i = 0; i < nq; ++i) {
           const int64_t pos = first_pos + q_begin + i;
@@ -171,12 +200,17 @@ class ItemKernel {
           const int64_t qv = i * heads + (kh - kh_begin) * G;
           for (int64_t h = 0; h < G; h += kHeadTile) {  // query heads of the group, up to 4 at once
             switch (std::min<int64_t>(kHeadTile, G - h)) {
-              case 4: accumulate<4>(qv + h, a, e, block); break;
-              case 3: accumulate<3>(qv + h, a, e, block); break;
-              case 2: accumulate<2>(qv + h, a, e, block); break;
-              default: accumulate<1>(qv + h, a, e, block); break;
+              case 4: accumulate<4>(qv + h, a, e, block, pending); break;
+              case 3: accumulate<3>(qv + h, a, e, block, pending); break;
+              case 2: accumulate<2>(qv + h, a, e, block, pending); break;
+              default: accumulate<1>(qv + h, a, e, block, pending); break;
             }
+            pending = nullptr;
           }
+        }
+        if (pending != nullptr) {
+          prefetch_keys(*pending);
+          prefetch_values(*pending);
         }
       }
     }
@@ -201,20 +235,27 @@ class ItemKernel {
 
   int64_t key_lo(int64_t pos) const { return s_.window > 0 ? std::max<int64_t>(0, pos - s_.window + 1) : 0; }
 
-  // Asks for the next block's keys and values of this KV head while this one is computed: the
-  // blocks of a row lie anywhere in the pool, so no hardware prefetcher can guess the next one.
-  void prefetch_block(int64_t block, int64_t kv_head) const {
-    const char* k = reinterpret_cast<const char*>(cache_ + block * s_.block_stride + kv_head * s_.head_stride);
-    const int64_t values = s_.kv_stride * static_cast<int64_t>(sizeof(kv_t));
+  // Where one block's keys and values of one KV head lie in the cache.
+  struct Raw {
+    const char* k = nullptr;
+    const char* v = nullptr;
+  };
+
+  Raw raw(int64_t block, int64_t kv_head) const {
+    const kv_t* k = cache_ + block * s_.block_stride + kv_head * s_.head_stride;
+    return {reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(k + s_.kv_stride)};
+  }
+
+  // Asks for a head-block's keys or values (every line of its block_size rows): the blocks of a
+  // row lie anywhere in the pool, so no hardware prefetcher can guess the next one.
+  void prefetch_lines(const char* base) const {
     const int64_t row_bytes = s_.head_dim * static_cast<int64_t>(sizeof(kv_t));
     const int64_t stride = s_.token_stride * static_cast<int64_t>(sizeof(kv_t));
-    for (int64_t j = 0; j < s_.block_size; ++j) {
-      for (int64_t at = 0; at < row_bytes; at += 64) {
-        prefetch_line(k + j * stride + at);
-        prefetch_line(k + values + j * stride + at);
-      }
-    }
+    for (int64_t j = 0; j < s_.block_size; ++j)
+      for (int64_t at = 0; at < row_bytes; at += 64) prefetch_line(base + j * stride + at);
   }
+  void prefetch_keys(const Raw& r) const { prefetch_lines(r.k); }
+  void prefetch_values(const Raw& r) const { prefetch_lines(r.v); }
 
   // An fp32 cache is read where it lies; other dtypes are converted once per block into an
   // L1-resident buffer that every query vector of the item then reuses.
@@ -242,12 +283,16 @@ class ItemKernel {
   // Online softmax step of the NH query vectors qv0.. (heads sharing one KV head) over keys
   // [a, e) of the loaded block. Each key row is loaded once for all NH heads, and the fixed-size
   // partial-sum arrays give the vectoriser NH x kLanes independent FMA chains (one chain per dot
-  // product would wait on FMA latency at every step).
+  // product would wait on FMA latency at every step). `next` (or null): a head-block to ask for
+  // meanwhile, its keys before the scores and its values before the weighted sum, half the lines
+  // at a time (both halves at once, or the same head's next block, measured slower: see the top
+  // of this file).
   template <int NH>
-  void accumulate(int64_t qv0, int64_t a, int64_t e, const Block& blk) {
+  void accumulate(int64_t qv0, int64_t a, int64_t e, const Block& blk, const Raw* next) {
     const int64_t D = s_.head_dim, BS = s_.block_size;
     const float* q = q_.data() + qv0 * D;
     float* s = scores_.data();  // [NH][BS]
+    if (next != nullptr) prefetch_keys(*next);
     int64_t j = a;
 #ifdef __AVX2__
     // 8 keys at a time: 8 dot products accumulate side by side and end in one transposing
@@ -293,6 +338,7 @@ class ItemKernel {
     float alpha[NH];
     for (int h = 0; h < NH; ++h) alpha[h] = softmax_step(qv0 + h, s + h * BS, a, e);
     float* acc = acc_.data() + qv0 * D;
+    if (next != nullptr) prefetch_values(*next);
     int64_t d0 = 0;
     for (; d0 + kLanes <= D; d0 += kLanes) {  // NH x kLanes accumulators stay in registers over the keys
       float x[NH][kLanes];
