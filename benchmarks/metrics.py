@@ -139,7 +139,7 @@ def steady_state_itls(results: Sequence[RequestResult], min_decoding: float = 0.
     if not ok:
         return []
     start = max(r.ttft_s for r in ok)
-    may_end = math.floor(len(ok) * (1.0 - min_decoding) + 1e-9)
+    may_end = min(math.floor(len(ok) * (1.0 - min_decoding) + 1e-9), len(ok) - 1)  # how many may have ended
     end = sorted(r.e2e_s for r in ok)[may_end]
     gaps: list[float] = []
     for r in ok:

@@ -125,6 +125,8 @@ def test_steady_state_survives_a_tenth_of_the_batch_ending_before_the_last_start
     assert steady_state_itls([early, *rest], min_decoding=1.0) == []
     # Two of ten ending that early is more than a tenth: no steady state.
     assert steady_state_itls([early, early, *rest[:8]]) == []
+    # None must decode: the window runs to the last end (and indexes nothing past it).
+    assert len(steady_state_itls([early, *rest], min_decoding=0.0)) == 90
 
 
 def test_gguf_fallback_only_for_gpt2_byte_level(tmp_path: Path) -> None:
