@@ -182,14 +182,12 @@ class ItemKernel {
         // this one, in two halves (see there). Several (a prefill tile): the same head's next
         // block, all at once, before this one is read (top of this file).
         Raw next;
-        if (nq == 1 && kh + 1 < kh_end) {
+        if (nq > 1) {
+          if ((b + 1) * BS < hi) prefetch_head_block(raw(table[b + 1], kh));
+        } else if (kh + 1 < kh_end) {
           next = raw(table[b], kh + 1);
-        } else if (nq == 1 && (b + 1) * BS < hi) {
-          next = raw(table[b + 1], kh_begin);
         } else if ((b + 1) * BS < hi) {
-          const Raw ahead = raw(table[b + 1], kh);
-          prefetch_keys(ahead);
-          prefetch_values(ahead);
+          next = raw(table[b + 1], kh_begin);
         }
         const Raw* pending = next.k != nullptr ? &next : nullptr;
         const Block block = load_block(table[b], kh);
@@ -208,10 +206,7 @@ class ItemKernel {
             pending = nullptr;
           }
         }
-        if (pending != nullptr) {
-          prefetch_keys(*pending);
-          prefetch_values(*pending);
-        }
+        if (pending != nullptr) prefetch_head_block(*pending);  // no query of this block saw a key
       }
     }
     for (int64_t i = 0; i < nq; ++i) {
@@ -256,6 +251,10 @@ class ItemKernel {
   }
   void prefetch_keys(const Raw& r) const { prefetch_lines(r.k); }
   void prefetch_values(const Raw& r) const { prefetch_lines(r.v); }
+  void prefetch_head_block(const Raw& r) const {
+    prefetch_keys(r);
+    prefetch_values(r);
+  }
 
   // An fp32 cache is read where it lies; other dtypes are converted once per block into an
   // L1-resident buffer that every query vector of the item then reuses.
