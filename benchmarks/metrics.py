@@ -135,6 +135,8 @@ def steady_state_itls(results: Sequence[RequestResult], min_decoding: float = 0.
     each request's own send, which the window assumes were simultaneous. Empty when more than that
     share ended before the last one started decoding, or when nothing succeeded.
     """
+    if not 0.0 <= min_decoding <= 1.0:
+        raise ValueError(f"min_decoding={min_decoding} must be a share in [0, 1]")
     ok = [r for r in results if r.is_success]
     if not ok:
         return []

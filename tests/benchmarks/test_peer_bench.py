@@ -127,6 +127,8 @@ def test_steady_state_survives_a_tenth_of_the_batch_ending_before_the_last_start
     assert steady_state_itls([early, early, *rest[:8]]) == []
     # None must decode: the window runs to the last end (and indexes nothing past it).
     assert len(steady_state_itls([early, *rest], min_decoding=0.0)) == 90
+    with pytest.raises(ValueError, match="min_decoding"):
+        steady_state_itls([early, *rest], min_decoding=1.5)
 
 
 def test_gguf_fallback_only_for_gpt2_byte_level(tmp_path: Path) -> None:
