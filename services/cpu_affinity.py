@@ -2,7 +2,9 @@
 
 Workers run torch's OpenMP pool; every parallel op ends at a barrier, so a thread that loses
 its core (to another worker, to the frontend or scheduler, or to a migration) stalls all the
-others. Placement decides which cores each process may use:
+others (decode rounds on the native stack use spindle's own pool, which does not wait for a
+thread that has not started: kernels/csrc/work_pool.h; its helpers are bound as OpenMP's are).
+Placement decides which cores each process may use:
 
   * off       nothing pinned: the kernel places everything.
   * spread    the workers split the cores (contiguous, as equal as possible), each worker runs

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from services.worker.encoder_cache import EncoderCache
 from services.worker.grammar_state import GrammarState
 from services.worker.input_builder import ModelInput, ModelInputBuilder
 from services.worker.models.fused import fused_kernels_error
+from services.worker.models.native_stack import decode_round_scope
 from services.worker.request_states import RequestStates
 from services.worker.round_stops import Aborts, RoundRows, StopTable
 from services.worker.sampler import Sampler
@@ -113,7 +115,9 @@ class ModelRunner:
             if new.sampling.grammar is not None:
                 self.grammar_state.add(row, new.sampling.grammar, new.token_ids[new.num_prompt_tokens :])
         num_steps = max(round_.num_steps, 1)
-        with torch.inference_mode():
+        # Decode rounds on the native stack split their kernels on spindle's pool (native_stack.py).
+        pool = decode_round_scope(self.model, num_scheduled) if self.encoder_cache is None else nullcontext()
+        with torch.inference_mode(), pool:
             if self.encoder_cache is not None:
                 self.phases.mark("prepare")
                 self._prepare_encoder(round_)

@@ -21,7 +21,7 @@ from services.worker.kv_cache import allocate_kv_caches
 from services.worker.models.decoder import DecoderForCausalLM
 from services.worker.models.fast_linear import FastLinear, store_weights_as
 from services.worker.models.loader import load_model
-from services.worker.models.native_stack import DISABLE_ENV, NativeStack, build_native_stack
+from services.worker.models.native_stack import DISABLE_ENV, NativeStack, build_native_stack, work_pool_scope
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -110,6 +110,24 @@ def test_stack_equals_python_layers(
     assert len(calls) == 4 + 26
     assert len(native) == len(python)
     for got, want in zip(native, python, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_stack_on_the_work_pool_equals_the_stack_on_openmp(tiny_models: dict[str, Path]) -> None:
+    """Decode rounds run the stack inside a work_pool_scope (model_runner.py): its kernels split
+    their work on spindle's pool (kernels/csrc/work_pool.h), and each output element is computed
+    as on OpenMP's threads."""
+    model = _model(tiny_models["mistral"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a helper beside the caller
+    try:
+        prompts = [[3, 17, 42, 5, 9, 88, 21, 7, 11, 30, 2, 64], [5, 6], [40, 41, 42, 43, 44, 45, 46]]
+        openmp = _run(model, True, prompts, steps=26)
+        with work_pool_scope():
+            pool = _run(model, True, prompts, steps=26)
+    finally:
+        torch.set_num_threads(threads)
+    for got, want in zip(pool, openmp, strict=True):
         assert torch.equal(got, want)
 
 

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -87,6 +89,34 @@ class NativeStack:
             common.block_tables, common.seq_lens, common.query_start_loc, meta.work_items,
             positions.contiguous(), cos, sin,
         )
+
+
+@contextmanager
+def work_pool_scope() -> Iterator[None]:
+    """The kernels called inside (on this thread) split their work on spindle's claim-and-finish
+    pool instead of torch's OpenMP threads (kernels/csrc/work_pool.h): a thread that loses its
+    core to the host services leaves its share to the others instead of holding every op at a
+    barrier. Only for spans where no torch op runs its own OpenMP region (a decode round on the
+    stack): OpenMP's threads spin after each region on the cores the pool's helpers need."""
+    torch.ops.spindle.work_pool_enter()
+    try:
+        yield
+    finally:
+        torch.ops.spindle.work_pool_exit()
+
+
+def decode_round_scope(model: nn.Module, num_scheduled: np.ndarray) -> AbstractContextManager[None]:
+    """`work_pool_scope` for a round whose every step runs on spindle's kernels alone: one token
+    a row (decode), rows few enough for the native stack and for the LM head's small-M kernel
+    (greedy choice is a kernel too); else a scope that does nothing."""
+    stack: NativeStack | None = getattr(model, "native_stack", None)
+    lm_head = getattr(model, "lm_head", None)
+    if stack is None or not isinstance(lm_head, FastLinear):
+        return nullcontext()
+    rows = len(num_scheduled)
+    if not (0 < rows <= min(stack.max_rows, lm_head.kernel_max_rows) and bool((num_scheduled == 1).all())):
+        return nullcontext()
+    return work_pool_scope()
 
 
 def build_native_stack(config: DecoderConfig, layers: nn.ModuleList, final_norm: nn.Module) -> NativeStack | None:

@@ -8,7 +8,8 @@
 // Ties and NaN as torch: the first index of the maximum; a row with a NaN answers its first
 // NaN (torch's max propagates NaN).
 
-#include <ATen/Parallel.h>
+#include "work_pool.h"
+
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -83,7 +84,7 @@ at::Tensor argmax_rows(const at::Tensor& logits_in) {
   const float* x = logits.data_ptr<float>();
   int64_t* idx = out.data_ptr<int64_t>();
   const int64_t grain = std::max<int64_t>(1, kGrainElements / n);
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  spindle::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = x + r * n;
       idx[r] = first_index(row, n, row_max(row, n));

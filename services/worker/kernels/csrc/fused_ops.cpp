@@ -21,8 +21,8 @@
 
 #include "fused_ops.h"
 #include "kernel_ops.h"
+#include "work_pool.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -67,7 +67,7 @@ inline float widen(c10::BFloat16 x) {
 template <typename F>
 void for_rows(int64_t rows, int64_t n, const F& body) {
   const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, n));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  spindle::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) body(r);
   });
 }

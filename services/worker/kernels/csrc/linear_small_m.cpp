@@ -21,8 +21,8 @@
 // Which calls use it is decided by measurement at run time (models/fast_linear.py).
 
 #include "kernel_ops.h"
+#include "work_pool.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -125,7 +125,7 @@ inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
 template <typename W>
 void run(const float* x, const W* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
   if (M == 1) {
-    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    spindle::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
       for (int64_t f = begin; f < end; ++f) y[f] = row_dot(x, w + f * K, K) + (bias != nullptr ? bias[f] : 0.0f);
     });
     return;
@@ -133,7 +133,7 @@ void run(const float* x, const W* w, const float* bias, float* y, int64_t M, int
   const int64_t num_blocks = (N + kFeaturesPerBlock - 1) / kFeaturesPerBlock;
   constexpr bool kWiden = !std::is_same_v<W, float>;
   const bool widen_once = kWiden && M > kRowsPerBlock;  // several row blocks share each slice of W
-  at::parallel_for(0, num_blocks, 16, [&](int64_t begin, int64_t end) {
+  spindle::parallel_for(0, num_blocks, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(widen_once ? kFeaturesPerBlock * K : 0);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t f0 = b * kFeaturesPerBlock;

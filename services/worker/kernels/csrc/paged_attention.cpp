@@ -67,6 +67,7 @@
 #include "fused_ops.h"
 #include "kernel_ops.h"
 #include "vec_math.h"
+#include "work_pool.h"
 
 #include <algorithm>
 #include <atomic>
@@ -406,7 +407,7 @@ void write_kv(const Shape& s, const at::Tensor& key, const at::Tensor& value, kv
   const q_t* k = key.data_ptr<q_t>();
   const q_t* v = value.data_ptr<q_t>();
   const int64_t ks = key.stride(0), vs = value.stride(0);
-  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+  spindle::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> rotated(tok);
     for (int64_t t = begin; t < end; ++t) {
       if (slots[t] < 0) continue;  // padding token: nothing to store
@@ -450,7 +451,7 @@ void run_typed(const Shape& s, const at::Tensor& query, const at::Tensor& key, c
   const int64_t* items = work_items.data_ptr<int64_t>();
   std::atomic<int64_t> next{0};
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, total));
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  spindle::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     ItemKernel<q_t, kv_t> kernel(s, rope, query.data_ptr<q_t>(), out.data_ptr<q_t>(), cache,
                                  block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
                                  query_start_loc.data_ptr<int64_t>());

@@ -1,0 +1,227 @@
+// The claim-and-finish pool behind spindle::parallel_for (why: work_pool.h).
+//
+// One job at a time: the caller publishes it (a new generation), the helpers (torch's thread
+// count minus one, started on first use and bound like torch's OpenMP threads where OMP_PLACES
+// binds those) and the caller claim chunks from one atomic ticket until none is left, and the
+// caller waits only for chunks already claimed. The ticket packs the generation, the job's chunk
+// count and the next chunk, so a helper that wakes late cannot claim a chunk of a job that has
+// ended or read another job's bounds. A helper spins briefly for the next job (a decode step's
+// calls come back to back) while a WorkPoolScope is open, then sleeps on the generation (futex)
+// and costs nothing between steps; a sleeping helper is woken by the next job but never waited
+// for.
+
+#include "work_pool.h"
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <omp.h>
+#include <pthread.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace spindle {
+namespace {
+
+using Fn = std::function<void(int64_t, int64_t)>;
+using Clock = std::chrono::steady_clock;
+
+constexpr int64_t kChunksPerThread = 8;                       // claims per thread: what a late thread can leave to others
+constexpr int64_t kMaxChunks = 0xffff;                        // the ticket's 16 bits
+constexpr auto kHelperSpin = std::chrono::microseconds(100);  // a helper's wait for the next job before it sleeps
+constexpr auto kCallerSpin = std::chrono::microseconds(20);   // the caller's wait on claimed chunks before it yields
+
+inline void cpu_relax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
+}
+
+// Ticket: generation (32 bits) | chunk count (16) | next chunk (16).
+inline uint64_t make_ticket(uint32_t generation, int64_t chunks) { return (uint64_t{generation} << 32) | (uint64_t(chunks) << 16); }
+inline uint32_t ticket_generation(uint64_t t) { return static_cast<uint32_t>(t >> 32); }
+inline int64_t ticket_chunks(uint64_t t) { return static_cast<int64_t>((t >> 16) & 0xffff); }
+inline int64_t ticket_next(uint64_t t) { return static_cast<int64_t>(t & 0xffff); }
+
+thread_local bool in_pool_job = false;  // a chunk calling parallel_for again runs it inline
+thread_local int scope_depth = 0;       // WorkPoolScopes open on this thread
+std::atomic<int> open_scopes{0};        // threads with a WorkPoolScope open: helpers spin only then
+
+bool pool_disabled() {
+  static const bool disabled = [] {
+    const char* v = std::getenv("SPINDLE_DISABLE_WORK_POOL");
+    return v != nullptr && v[0] != '\0' && !(v[0] == '0' && v[1] == '\0');
+  }();
+  return disabled;
+}
+
+class WorkPool {
+ public:
+  static WorkPool& instance() {
+    static WorkPool* pool = new WorkPool();  // never destroyed: its helpers run until the process exits
+    return *pool;
+  }
+
+  // Runs the job on the caller and `helpers` helpers; false (nothing run) when another caller
+  // holds the pool.
+  bool run(int64_t begin, int64_t end, int64_t chunk, int64_t chunks, int helpers, const Fn& fn) {
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (!busy.owns_lock()) return false;
+    start_helpers(helpers);
+    fn_ = &fn;
+    begin_ = begin;
+    end_ = end;
+    chunk_ = chunk;
+    error_ = nullptr;
+    wanted_.store(helpers, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    const uint32_t generation = ++last_generation_;
+    ticket_.store(make_ticket(generation, chunks), std::memory_order_release);
+    generation_.store(generation, std::memory_order_release);
+    generation_.notify_all();
+    work(generation);
+    const auto since = Clock::now();
+    while (done_.load(std::memory_order_acquire) < chunks) {
+      if (Clock::now() - since < kCallerSpin) {
+        cpu_relax();
+      } else {
+        sched_yield();  // a helper lost its core mid-chunk: let whatever took it run here meanwhile
+      }
+    }
+    if (error_) std::rethrow_exception(error_);
+    return true;
+  }
+
+ private:
+  // Claims and runs chunks of job `generation` until none is left (or the job is another's).
+  void work(uint32_t generation) {
+    in_pool_job = true;
+    for (;;) {
+      uint64_t t = ticket_.load(std::memory_order_acquire);
+      do {
+        if (ticket_generation(t) != generation || ticket_next(t) >= ticket_chunks(t)) {
+          in_pool_job = false;
+          return;
+        }
+      } while (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire));
+      // The job cannot end before this chunk is done, so its fields stay as published.
+      const int64_t lo = begin_ + ticket_next(t) * chunk_, hi = std::min(end_, lo + chunk_);
+      try {
+        (*fn_)(lo, hi);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(error_mutex_);
+        if (!error_) error_ = std::current_exception();
+      }
+      done_.fetch_add(1, std::memory_order_acq_rel);
+    }
+  }
+
+  void start_helpers(int helpers) {
+    while (static_cast<int>(threads_.size()) < helpers) {
+      const int index = static_cast<int>(threads_.size());
+      threads_.emplace_back([this, index] { helper_main(index); });
+      threads_.back().detach();
+    }
+  }
+
+  // Helper `index` takes OpenMP thread index + 1's place where OMP_PLACES binds those (the
+  // caller is thread 0), so placement (services/cpu_affinity.py) holds for it too.
+  static void bind_like_openmp(int index) {
+    const int places = omp_get_num_places();
+    if (places <= 0) return;
+    const int place = (index + 1) % places;
+    std::vector<int> ids(omp_get_place_num_procs(place));
+    if (ids.empty()) return;
+    omp_get_place_proc_ids(place, ids.data());
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int id : ids) CPU_SET(id, &set);
+    sched_setaffinity(0, sizeof(set), &set);
+  }
+
+  void helper_main(int index) {
+    bind_like_openmp(index);
+    const std::string name = "spindle-pool-" + std::to_string(index);  // as top, py-spy and /proc show it
+    pthread_setname_np(pthread_self(), name.c_str());
+    uint32_t seen = generation_.load(std::memory_order_acquire);
+    for (;;) {
+      uint32_t generation = generation_.load(std::memory_order_acquire);
+      const auto since = Clock::now();
+      while (generation == seen && open_scopes.load(std::memory_order_relaxed) > 0 &&
+             Clock::now() - since < kHelperSpin) {
+        cpu_relax();
+        generation = generation_.load(std::memory_order_acquire);
+      }
+      if (generation == seen) {
+        generation_.wait(seen, std::memory_order_acquire);
+        continue;
+      }
+      seen = generation;
+      if (index < wanted_.load(std::memory_order_relaxed)) work(generation);
+    }
+  }
+
+  std::mutex busy_;
+  std::vector<std::thread> threads_;
+  uint32_t last_generation_ = 0;
+  std::atomic<uint32_t> generation_{0};
+  std::atomic<uint64_t> ticket_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<int> wanted_{0};
+  const Fn* fn_ = nullptr;
+  int64_t begin_ = 0, end_ = 0, chunk_ = 0;
+  std::mutex error_mutex_;
+  std::exception_ptr error_;
+};
+
+}  // namespace
+
+void work_pool_enter() {
+  if (scope_depth++ == 0) open_scopes.fetch_add(1, std::memory_order_relaxed);
+}
+
+void work_pool_exit() {
+  TORCH_CHECK(scope_depth > 0, "work_pool_exit: no work pool scope is open on this thread");
+  if (--scope_depth == 0) open_scopes.fetch_sub(1, std::memory_order_relaxed);
+}
+
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const Fn& fn) {
+  const int64_t n = end - begin;
+  if (n <= 0) return;
+  if (scope_depth == 0 || pool_disabled()) {
+    at::parallel_for(begin, end, grain, fn);
+    return;
+  }
+  const int64_t threads = at::get_num_threads();
+  grain = std::max<int64_t>(grain, 1);
+  if (threads <= 1 || n <= grain || in_pool_job || at::in_parallel_region()) {
+    fn(begin, end);
+    return;
+  }
+  const int64_t chunks_wanted = std::min({(n + grain - 1) / grain, threads * kChunksPerThread, kMaxChunks});
+  const int64_t chunk = (n + chunks_wanted - 1) / chunks_wanted;
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  if (!WorkPool::instance().run(begin, end, chunk, chunks, static_cast<int>(threads - 1), fn)) {
+    at::parallel_for(begin, end, grain, fn);  // another thread's job holds the pool
+  }
+}
+
+}  // namespace spindle
+
+// Python opens a scope around a span of kernel calls (services/worker/models/native_stack.py).
+TORCH_LIBRARY_FRAGMENT(spindle, m) {
+  m.def("work_pool_enter() -> ()", &spindle::work_pool_enter);
+  m.def("work_pool_exit() -> ()", &spindle::work_pool_exit);
+}

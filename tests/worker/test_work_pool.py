@@ -1,0 +1,105 @@
+"""spindle's claim-and-finish pool (kernels/csrc/work_pool.h): kernels called inside a
+`work_pool_scope` split their work on it and compute exactly what they compute on torch's
+OpenMP threads; scopes are per thread, and only decode rounds that run on the native stack
+open one (models/native_stack.py). The stack on the pool, bit for bit, is in
+test_native_stack.py; served greedy output against transformers in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from services.worker.attention import create_backend
+from services.worker.models.fast_linear import FastLinear
+from services.worker.models.loader import load_model
+from services.worker.models.native_stack import decode_round_scope, work_pool_scope
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
+
+@pytest.fixture(autouse=True)
+def two_threads() -> Iterator[None]:
+    """The pool has a helper only with two or more torch threads (one: every call runs inline)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _calls() -> list[tuple[str, Callable[[], torch.Tensor]]]:
+    gen = torch.Generator().manual_seed(0)
+    x1, x5 = torch.randn(1, 384, generator=gen), torch.randn(5, 384, generator=gen)
+    w, wb = torch.randn(1000, 384, generator=gen), torch.randn(1000, 384, generator=gen).bfloat16()
+    gate_up = torch.randn(64, 2 * 1536, generator=gen)
+    logits = torch.randn(48, 8192, generator=gen)
+    return [
+        ("linear, one row", lambda: torch.ops.spindle.linear_small_m(x1, w, None)),
+        ("linear, five rows, bf16 weights", lambda: torch.ops.spindle.linear_small_m(x5, wb, None)),
+        ("act_and_mul", lambda: torch.ops.spindle.act_and_mul(gate_up, 0)),
+        ("argmax", lambda: torch.ops.spindle.argmax_rows(logits)),
+    ]
+
+
+def _pool_threads() -> list[str]:
+    names = [p.read_text().strip() for p in Path("/proc/self/task").glob("*/comm")]
+    return [n for n in names if n.startswith("spindle-pool")]
+
+
+def test_kernels_in_a_scope_compute_what_they_compute_outside() -> None:
+    for name, call in _calls():
+        want = call()
+        with work_pool_scope():
+            got = [call() for _ in range(20)]  # many jobs: helpers asleep, waking and spinning
+        for g in got:
+            assert torch.equal(g, want), name
+    assert "spindle-pool-0" in _pool_threads(), "a helper beside the calling thread, named for top and py-spy"
+
+
+def test_scopes_on_two_threads_at_once_each_get_their_answers() -> None:
+    calls = _calls()
+    wants = [call() for _, call in calls]
+    errors: list[str] = []
+
+    def run() -> None:
+        with work_pool_scope():
+            for _ in range(30):
+                for (name, call), want in zip(calls, wants, strict=True):
+                    if not torch.equal(call(), want):  # the pool is busy half the time: OpenMP then
+                        errors.append(name)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_closing_a_scope_that_is_not_open_is_an_error() -> None:
+    with pytest.raises(RuntimeError, match="no work pool scope is open"):
+        torch.ops.spindle.work_pool_exit()
+
+
+def test_only_decode_rounds_on_the_stack_open_a_scope(llama_dir: Path) -> None:
+    model = load_model(llama_dir, create_backend("paged", 16), torch.float32, torch.device("cpu"))
+    for module in model.modules():
+        if isinstance(module, FastLinear):
+            module.kernel_max_rows = 8
+    model.lm_head.kernel_max_rows = 4
+    model.build_native_stack()
+
+    def opens(num_scheduled: list[int]) -> bool:
+        return type(decode_round_scope(model, np.array(num_scheduled))).__name__ != "nullcontext"
+
+    assert opens([1]) and opens([1, 1, 1, 1])
+    assert not opens([1] * 5), "past the LM head's kernel rows: oneDNN's OpenMP threads would run in it"
+    assert not opens([1, 3]), "a prefill chunk runs the Python layers (oneDNN)"
+    assert not opens([])
+    model.native_stack = None
+    assert not opens([1])
