@@ -9,6 +9,7 @@ shorter than the contexts (Mistral) and bf16 weights.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -123,6 +124,7 @@ def test_stack_on_the_work_pool_equals_the_stack_on_openmp(tiny_models: dict[str
     try:
         prompts = [[3, 17, 42, 5, 9, 88, 21, 7, 11, 30, 2, 64], [5, 6], [40, 41, 42, 43, 44, 45, 46]]
         openmp = _run(model, True, prompts, steps=26)
+        time.sleep(0.02)  # OpenMP's threads stop spinning: until then the caller runs pool calls alone
         with work_pool_scope():
             pool = _run(model, True, prompts, steps=26)
     finally:

@@ -8,6 +8,7 @@ test_native_stack.py; served greedy output against transformers in tests/e2e.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -51,9 +52,16 @@ def _pool_threads() -> list[str]:
     return [n for n in names if n.startswith("spindle-pool")]
 
 
+def _after_openmp_spin() -> None:
+    """Waits out OpenMP's spin after the calls outside a scope: until then the caller runs pool
+    calls alone (work_pool.cpp, kOpenMpSpin)."""
+    time.sleep(0.02)
+
+
 def test_kernels_in_a_scope_compute_what_they_compute_outside() -> None:
     for name, call in _calls():
         want = call()
+        _after_openmp_spin()
         with work_pool_scope():
             got = [call() for _ in range(20)]  # many jobs: helpers asleep, waking and spinning
         for g in got:
@@ -64,6 +72,7 @@ def test_kernels_in_a_scope_compute_what_they_compute_outside() -> None:
 def test_scopes_on_two_threads_at_once_each_get_their_answers() -> None:
     calls = _calls()
     wants = [call() for _, call in calls]
+    _after_openmp_spin()
     errors: list[str] = []
 
     def run() -> None:

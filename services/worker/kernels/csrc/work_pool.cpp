@@ -6,9 +6,30 @@
 // caller waits only for chunks already claimed. The ticket packs the generation, the job's chunk
 // count and the next chunk, so a helper that wakes late cannot claim a chunk of a job that has
 // ended or read another job's bounds. A helper spins briefly for the next job (a decode step's
-// calls come back to back) while a WorkPoolScope is open, then sleeps on the generation (futex)
-// and costs nothing between steps; a sleeping helper is woken by the next job but never waited
-// for.
+// calls come back to back) while a scope is open, then sleeps on the generation (futex) and
+// costs nothing between steps; a sleeping helper is woken by the next job but never waited for.
+//
+// Measured (2-core AMD EPYC, Zen 3; `python -m benchmarks.run --models <m> --concurrency 1
+// --input-len 128 --output-len 128 --configs spindle --scheduler-steps 8 --spindle-env-variant
+// omp:SPINDLE_DISABLE_WORK_POOL=1 --spindle-env-variant pool`, a fresh server per cell, pairs in
+// both orders, 2026-11-27), output tokens/s, OpenMP -> pool:
+//
+//   small model, one stream, 6 pairs    337 342 336 350 404 436 -> 409 438 410 398 442 362
+//                                       (5 of 6 faster, median +18 %; ITL p50 2.0-2.6 -> 1.8-2.2
+//                                       ms, p99 7.4-9.3 -> 7.3-9.2 ms)
+//   medium model, one stream, 4 pairs   50.9 50.1 52.8 51.9 -> 48.9 51.6 54.8 48.8 (noise)
+//
+// The small model's step is ~1 ms of short calls, where the services' wake-ups cost most; the
+// medium model's step is 8 GEMVs a layer at memory speed, where neither way wins. Without the
+// OpenMP-spin rule (kOpenMpSpin) the first pooled round of every request (after the prefill
+// round ran on OpenMP) was late: gap before token 8 over 20 requests, median 10.5 ms against
+// 4.6 on OpenMP alone; with the rule 4.2-4.6. Tried and not kept: the pool for every call of
+// these kernels (prefills, big batches: oneDNN's OpenMP regions between them) made a
+// one-stream request's first token ~6 ms later; a scope around the layer stack alone (the LM
+// head on OpenMP after it) ran the medium model at one thread's speed (51-55 -> 34-41 tok/s);
+// OMP_WAIT_POLICY=PASSIVE (OpenMP threads sleep between regions) halved the small model's
+// stream (140-213 tok/s: a futex wake per region); GOMP_SPINCOUNT=10000 (OpenMP spins ~250 us)
+// lost 5-26 % at 64 streams in 5 of 6 pairs.
 
 #include "work_pool.h"
 
@@ -42,6 +63,10 @@ constexpr int64_t kChunksPerThread = 8;                       // claims per thre
 constexpr int64_t kMaxChunks = 0xffff;                        // the ticket's 16 bits
 constexpr auto kHelperSpin = std::chrono::microseconds(100);  // a helper's wait for the next job before it sleeps
 constexpr auto kCallerSpin = std::chrono::microseconds(20);   // the caller's wait on claimed chunks before it yields
+// How long torch's OpenMP threads spin after a region before they sleep (libgomp's default
+// GOMP_SPINCOUNT, 300,000 polls of ~25 ns on the Zen 3 measured): a helper woken meanwhile
+// fights that spinner for its core, so until then the caller runs pool calls alone.
+constexpr auto kOpenMpSpin = std::chrono::milliseconds(8);
 
 inline void cpu_relax() {
 #if defined(__x86_64__)
@@ -56,8 +81,9 @@ inline int64_t ticket_chunks(uint64_t t) { return static_cast<int64_t>((t >> 16)
 inline int64_t ticket_next(uint64_t t) { return static_cast<int64_t>(t & 0xffff); }
 
 thread_local bool in_pool_job = false;  // a chunk calling parallel_for again runs it inline
-thread_local int scope_depth = 0;       // WorkPoolScopes open on this thread
-std::atomic<int> open_scopes{0};        // threads with a WorkPoolScope open: helpers spin only then
+thread_local int scope_depth = 0;       // scopes open on this thread (work_pool_enter)
+std::atomic<int64_t> last_openmp_ns{0};  // when these kernels last started an OpenMP region (steady clock)
+std::atomic<int> open_scopes{0};        // threads with a scope open: helpers spin only then
 
 bool pool_disabled() {
   static const bool disabled = [] {
@@ -200,13 +226,17 @@ void work_pool_exit() {
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const Fn& fn) {
   const int64_t n = end - begin;
   if (n <= 0) return;
+  const int64_t threads = at::get_num_threads();
+  grain = std::max<int64_t>(grain, 1);
+  const auto now = Clock::now();
   if (scope_depth == 0 || pool_disabled()) {
+    if (threads > 1 && n > grain) last_openmp_ns.store(now.time_since_epoch().count(), std::memory_order_relaxed);
     at::parallel_for(begin, end, grain, fn);
     return;
   }
-  const int64_t threads = at::get_num_threads();
-  grain = std::max<int64_t>(grain, 1);
-  if (threads <= 1 || n <= grain || in_pool_job || at::in_parallel_region()) {
+  const bool openmp_spinning =
+      now - Clock::time_point(Clock::duration(last_openmp_ns.load(std::memory_order_relaxed))) < kOpenMpSpin;
+  if (threads <= 1 || n <= grain || in_pool_job || at::in_parallel_region() || openmp_spinning) {
     fn(begin, end);
     return;
   }
