@@ -77,8 +77,8 @@ inline void cpu_relax() {
 // Ticket: generation (32 bits) | chunk count (16) | next chunk (16).
 inline uint64_t make_ticket(uint32_t generation, int64_t chunks) { return (uint64_t{generation} << 32) | (uint64_t(chunks) << 16); }
 inline uint32_t ticket_generation(uint64_t t) { return static_cast<uint32_t>(t >> 32); }
-inline int64_t ticket_chunks(uint64_t t) { return static_cast<int64_t>((t >> 16) & 0xffff); }
-inline int64_t ticket_next(uint64_t t) { return static_cast<int64_t>(t & 0xffff); }
+inline int64_t ticket_chunks(uint64_t t) { return static_cast<int64_t>((t >> 16) & kMaxChunks); }
+inline int64_t ticket_next(uint64_t t) { return static_cast<int64_t>(t & kMaxChunks); }
 
 thread_local bool in_pool_job = false;  // a chunk calling parallel_for again runs it inline
 thread_local int scope_depth = 0;       // scopes open on this thread (work_pool_enter)
@@ -228,16 +228,15 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const Fn& fn) {
   if (n <= 0) return;
   const int64_t threads = at::get_num_threads();
   grain = std::max<int64_t>(grain, 1);
-  const auto now = Clock::now();
+  const bool splits = threads > 1 && n > grain;  // at::parallel_for would start a region
   if (scope_depth == 0 || pool_disabled()) {
-    if (threads > 1 && n > grain) last_openmp_ns.store(now.time_since_epoch().count(), std::memory_order_relaxed);
+    if (splits) last_openmp_ns.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
     at::parallel_for(begin, end, grain, fn);
     return;
   }
-  const bool openmp_spinning =
-      now - Clock::time_point(Clock::duration(last_openmp_ns.load(std::memory_order_relaxed))) < kOpenMpSpin;
-  if (threads <= 1 || n <= grain || in_pool_job || at::in_parallel_region() || openmp_spinning) {
-    fn(begin, end);
+  if (!splits || in_pool_job || at::in_parallel_region() ||
+      Clock::now() - Clock::time_point(Clock::duration(last_openmp_ns.load(std::memory_order_relaxed))) < kOpenMpSpin) {
+    fn(begin, end);  // nothing to split, nested, or OpenMP's threads still spin on the helpers' cores
     return;
   }
   const int64_t chunks_wanted = std::min({(n + grain - 1) / grain, threads * kChunksPerThread, kMaxChunks});
