@@ -1,7 +1,9 @@
 """Decode step time, padded `sdpa` vs the in-place `paged` CPU backend, side by side in one run.
 
 Two batch shapes of 64 rows on the medium benchmark model (hidden 1024, 8 layers, 16 query / 4
-KV heads of 64; `--model small`: 4 layers, 8 / 2 heads of 32), fp32, one new token per row:
+KV heads of 64; `--model small`: 4 layers, 8 / 2 heads of 32), fp32, one new token per row;
+`--kv-cache-dtypes float32,bfloat16` also times the paged backend on a bf16 cache
+(`--kv-cache-dtype`, read widened block by block):
 
 - equal: every row has the same context (`--contexts`, each a shape);
 - skewed: one row of `--long` tokens and 63 of `--short` (issue 14: with a gathered, padded
@@ -14,6 +16,7 @@ warm-up. The cache's blocks are shuffled over the pool, as a busy server leaves 
     python -m benchmarks.attention_bench
     python -m benchmarks.attention_bench --contexts 128,1024 --long 2048 --short 128 --repeats 20
     python -m benchmarks.attention_bench --model small --contexts 160,1024
+    python -m benchmarks.attention_bench --contexts 192,1024,4096 --kv-cache-dtypes float32,bfloat16
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ from services.worker.models.config import DecoderConfig
 from services.worker.models.loader import load_model
 
 BLOCK_SIZE = 16
-BACKENDS = ("sdpa", "paged")
 
 
 def decode_metadata(seq_lens: np.ndarray, num_blocks: int, seed: int = 0) -> CommonAttentionMetadata:
@@ -75,21 +77,23 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def random_kv_caches(config: DecoderConfig, num_blocks: int, head_major: bool) -> list[torch.Tensor]:
-    """One fp32 cache per layer in the worker's layout for a backend (kv_cache.py), filled with N(0, 1)."""
-    caches = allocate_kv_caches(config, num_blocks, BLOCK_SIZE, torch.float32, torch.device("cpu"), head_major)
+def random_kv_caches(config: DecoderConfig, num_blocks: int, head_major: bool,
+                     dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """One cache per layer in the worker's layout for a backend (kv_cache.py), filled with N(0, 1)."""
+    caches = allocate_kv_caches(config, num_blocks, BLOCK_SIZE, dtype, torch.device("cpu"), head_major)
     for cache in caches:
         cache.normal_()
     return caches
 
 
-def time_shape(model: torch.nn.Module, backends: dict[str, AttentionBackend], seq_lens: np.ndarray,
-               repeats: int) -> dict[str, tuple[float, float]]:
-    """backend -> (attention ms per step over all layers, whole forward ms per step)."""
+def time_shape(model: torch.nn.Module, backends: dict[str, tuple[AttentionBackend, torch.dtype]],
+               seq_lens: np.ndarray, repeats: int) -> dict[str, tuple[float, float]]:
+    """label -> (attention ms per step over all layers, whole forward ms per step), for each
+    label's backend on a cache of its dtype."""
     config = model.config
     num_blocks = int((-(-seq_lens // BLOCK_SIZE)).sum()) + 8
-    caches_in = {layout: random_kv_caches(config, num_blocks, layout)  # each backend's own layout (kv_cache.py)
-                 for layout in {backend.head_major_cache for backend in backends.values()}}
+    caches_in = {(layout, dtype): random_kv_caches(config, num_blocks, layout, dtype)  # each backend's layout
+                 for layout, dtype in {(b.head_major_cache, dtype) for b, dtype in backends.values()}}
     common = decode_metadata(seq_lens, num_blocks)
     gen = torch.Generator().manual_seed(0)
     t, h, kvh, d = len(seq_lens), config.num_heads, config.num_kv_heads, config.head_dim
@@ -98,9 +102,9 @@ def time_shape(model: torch.nn.Module, backends: dict[str, AttentionBackend], se
     positions = torch.from_numpy(seq_lens - 1)
     spec = model.layers[0].self_attn.spec
     results = {}
-    for name, backend in backends.items():
+    for name, (backend, dtype) in backends.items():
         builder = backend.metadata_builder()
-        caches = caches_in[backend.head_major_cache]
+        caches = caches_in[backend.head_major_cache, dtype]
 
         def attention(backend: AttentionBackend = backend, builder=builder, caches=caches) -> None:
             meta = builder.build(common, [])
@@ -126,24 +130,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=machine_cores())
     p.add_argument("--model", default="medium", help="benchmark model (benchmarks/models.py)")
+    p.add_argument("--kv-cache-dtypes", default="float32",
+                   help="comma list: the paged backend's cache dtypes (sdpa reads float32 only)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     model = load_model(ensure_model(a.model), create_backend("sdpa", BLOCK_SIZE), torch.float32,
                        torch.device("cpu"))
-    backends = {name: create_backend(name, BLOCK_SIZE) for name in BACKENDS}
+    backends = {"sdpa": (create_backend("sdpa", BLOCK_SIZE), torch.float32)}
+    for name in a.kv_cache_dtypes.split(","):
+        backends[f"paged {name}"] = (create_backend("paged", BLOCK_SIZE), getattr(torch, name))
     shapes = [(f"equal {a.batch} x {c}", np.full(a.batch, int(c))) for c in a.contexts.split(",") if c]
     shapes.append((f"skewed 1 x {a.long} + {a.batch - 1} x {a.short}",
                    np.array([a.long] + [a.short] * (a.batch - 1))))
     out = sys.stdout
     out.write(f"{a.model} model, fp32, {a.threads} threads, decode step of {a.batch} rows, median of {a.repeats}\n")
-    out.write("| shape | attention sdpa ms | attention paged ms | speed-up "
-              "| step sdpa ms | step paged ms | speed-up |\n")
-    out.write("| --- | --- | --- | --- | --- | --- | --- |\n")
+    out.write("| shape | backend, KV cache | attention ms | vs sdpa | step ms | vs sdpa |\n")
+    out.write("| --- | --- | --- | --- | --- | --- |\n")
     for label, seq_lens in shapes:
         r = time_shape(model, backends, seq_lens, a.repeats)
-        (att_s, step_s), (att_p, step_p) = r["sdpa"], r["paged"]
-        out.write(f"| {label} | {att_s:.2f} | {att_p:.2f} | {att_s / att_p:.2f}x | {step_s:.1f} | {step_p:.1f} | "
-                  f"{step_s / step_p:.2f}x |\n")
+        att_s, step_s = r["sdpa"]
+        for name, (att, step) in r.items():
+            out.write(f"| {label} | {name} | {att:.2f} | {att_s / att:.2f}x | {step:.1f} | {step_s / step:.2f}x |\n")
         out.flush()
 
 

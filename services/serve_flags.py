@@ -50,6 +50,9 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
     ServeFlag("dtype", (WORKER,), str, "auto | float32 | bfloat16 | float16"),
     ServeFlag("weight_dtype", (WORKER,), str,
               "auto | float32 | bfloat16: linear weights' storage (bfloat16 with float32 activations on CPU)"),
+    ServeFlag("kv_cache_dtype", (WORKER,), str,
+              "auto | float32 | bfloat16 | float16: the KV cache's storage (16-bit with float32 activations on "
+              "CPU paged attention: twice the tokens in the same budget)"),
     ServeFlag("device", (WORKER,), str, "auto | cpu | cuda"),
     ServeFlag("kv_cache_bytes", (WORKER,), int, "KV cache budget per CPU worker"),
     ServeFlag("block_size", (WORKER,), int, "tokens per KV block"),

@@ -15,7 +15,7 @@ import sys
 import grpc
 
 from services.cpu_affinity import add_cpu_cores_argument
-from services.worker.config import DEFAULT_LISTEN, WEIGHT_DTYPES, WorkerConfig
+from services.worker.config import DEFAULT_LISTEN, KV_CACHE_DTYPES, WEIGHT_DTYPES, WorkerConfig
 from services.worker.round_pipeline import RoundPipeline, compute_thread
 from services.worker.servicer import WorkerServicer
 from services.worker.telemetry import WorkerTelemetry
@@ -66,6 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=WEIGHT_DTYPES,
         help="how linear weights are stored; auto: as --dtype. bfloat16 with float32 activations (CPU) "
         "halves the bytes a decode step reads [SPINDLE_WEIGHT_DTYPE]",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=_env("KV_CACHE_DTYPE", "auto"),
+        choices=KV_CACHE_DTYPES,
+        help="how the KV cache is stored; auto: as --dtype. bfloat16 or float16 with float32 activations "
+        "(CPU, paged attention) holds twice the tokens and halves what attention reads [SPINDLE_KV_CACHE_DTYPE]",
     )
     parser.add_argument(
         "--attention-backend",
@@ -138,6 +145,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         device=args.device,
         dtype=args.dtype,
         weight_dtype=args.weight_dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend,
         block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_bytes,

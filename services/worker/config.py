@@ -13,6 +13,7 @@ DEFAULT_LISTEN = "0.0.0.0:50061"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,9 @@ class WorkerConfig:
         dtype: auto (float32 on CPU, bfloat16 on CUDA) or an explicit torch dtype name.
         weight_dtype: how decoder linear weights are stored; auto = dtype. bfloat16 under float32
             activations (CPU) halves the bytes each decode step reads; the arithmetic stays float32.
+        kv_cache_dtype: how the KV cache is stored; auto = dtype. bfloat16 or float16 under float32
+            activations (CPU paged attention, which widens each block as it reads it) halves the
+            cache's bytes: twice the tokens in the same budget, half the bytes attention reads.
         attention_backend: auto, sdpa, naive or flash-attn.
         block_size: tokens per KV-cache block (decoders; prefill-only models have no KV cache).
         kv_cache_bytes: KV-cache budget on CPU (on CUDA it is measured instead).
@@ -46,6 +50,7 @@ class WorkerConfig:
     device: str = "auto"
     dtype: str = "auto"
     weight_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"
     block_size: int = 16
     kv_cache_bytes: int = 512 * 1024 * 1024
@@ -68,6 +73,8 @@ class WorkerConfig:
             raise ValueError(f"{self.dtype=} must be one of {DTYPES}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"{self.weight_dtype=} must be one of {WEIGHT_DTYPES}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"{self.kv_cache_dtype=} must be one of {KV_CACHE_DTYPES}")
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "encoder_cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")

@@ -67,6 +67,26 @@ def resolve_weight_dtype(name: str, dtype: torch.dtype, device: torch.device) ->
     return weight_dtype
 
 
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, backend_name: str) -> torch.dtype:
+    """Storage dtype of the KV cache: as the activations, or 16-bit under float32 for paged attention.
+
+    Only the CPU paged kernel reads a cache of another dtype well: it widens each block once
+    into a buffer every query of the block reuses. The other backends gather the cache into
+    the activations' dtype, so they are refused at start-up rather than failing on the first
+    request.
+    """
+    kv_dtype = dtype if name == "auto" else _DTYPES[name]
+    if kv_dtype == dtype:
+        return dtype
+    if not (backend_name == "paged" and dtype == torch.float32 and kv_dtype in (torch.bfloat16, torch.float16)):
+        raise ValueError(
+            f"kv_cache_dtype={name!r} with dtype {str(dtype).removeprefix('torch.')} and attention backend "
+            f"{backend_name!r}: only a bfloat16 or float16 cache under float32 activations with the paged "
+            "backend (CPU) is supported (or leave it auto)"
+        )
+    return kv_dtype
+
+
 class Worker:
     """A loaded model (with its KV cache for decoders), ready to execute rounds."""
 
@@ -85,6 +105,7 @@ class Worker:
                 )
             backend_name = "sdpa"  # flash-attn has no float32 kernels
         self.backend = create_backend(backend_name, config.block_size)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, backend_name)
         self.backend_name = backend_name
         self.model_config = parse_config(read_hf_config(config.model))
         self.task = resolve_model(self.model_config.architecture)[0].task
@@ -96,12 +117,14 @@ class Worker:
         else:
             self.info = self._init_pooling()
         logger.info(
-            "worker ready: model=%s task=%s dtype=%s weight_dtype=%s device=%s backend=%s num_kv_blocks=%d "
+            "worker ready: model=%s task=%s dtype=%s weight_dtype=%s kv_cache_dtype=%s device=%s backend=%s "
+            "num_kv_blocks=%d "
             "(%d tokens) max_model_len=%d",
             self.info.model_id,
             self.task.name,
             self.info.dtype,
             str(self.weight_dtype).removeprefix("torch."),
+            str(self.kv_cache_dtype).removeprefix("torch."),
             self.info.device,
             backend_name,
             self.info.num_kv_blocks,
@@ -134,9 +157,10 @@ class Worker:
         if self.device.type == "cuda":
             num_blocks = self._profile_num_blocks()
         else:
-            num_blocks = num_blocks_for_budget(model_config, config.block_size, self.dtype, config.kv_cache_bytes)
+            num_blocks = num_blocks_for_budget(model_config, config.block_size, self.kv_cache_dtype,
+                                               config.kv_cache_bytes)
         self.runner = self._make_runner(
-            allocate_kv_caches(model_config, num_blocks, config.block_size, self.dtype, self.device,
+            allocate_kv_caches(model_config, num_blocks, config.block_size, self.kv_cache_dtype, self.device,
                                head_major=self.backend.head_major_cache)
         )
         info = self._info(
@@ -155,6 +179,9 @@ class Worker:
     def _init_pooling(self) -> WorkerInfo:
         """Embedding / cross-encoder model: no KV cache, no EOS; max_model_len honours ST's cap."""
         pooling = load_pooling_config(self.config.model, self.task)
+        if self.kv_cache_dtype != self.dtype:
+            raise ValueError("kv_cache_dtype applies to decoder models (embedding and cross-encoder models keep "
+                             "no KV cache); leave it auto")
         if self.weight_dtype != self.dtype:
             raise ValueError("weight_dtype applies to decoder models; leave it auto for embedding and "
                              "cross-encoder models")
@@ -217,7 +244,7 @@ class Worker:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         runner = self._make_runner(
-            allocate_kv_caches(self.decoder_config, num_blocks, bs, self.dtype, self.device,
+            allocate_kv_caches(self.decoder_config, num_blocks, bs, self.kv_cache_dtype, self.device,
                                head_major=self.backend.head_major_cache)
         )
         sampling = SamplingOptions(temperature=1.0, top_k=50, top_p=0.9)

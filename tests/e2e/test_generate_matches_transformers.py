@@ -94,6 +94,18 @@ def _with_linear_weights_rounded_to_bf16(model_dir: Path, out_dir: Path) -> Path
     return out_dir
 
 
+def _served_greedy_equals(model_dir: Path, serve_args: tuple[str, ...], jobs: list[tuple[list[int], int]],
+                          expected: list[list[int]]) -> None:
+    """Serve `model_dir` with `serve_args`; every job's gRPC tokens and HTTP text equal `expected`'s."""
+    with spindle_serve(model_dir, *serve_args) as server:
+        grpc_results, http_results = asyncio.run(run_both_apis(server, jobs))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for (prompt, max_tokens), want, got in zip(jobs, expected, grpc_results, strict=True):
+        assert got.token_ids == want, f"gRPC prompt {prompt} max_tokens {max_tokens}"
+    for want, (text, _) in zip(expected, http_results, strict=True):
+        assert text == tokenizer.decode(want, skip_special_tokens=True)
+
+
 def test_bf16_weights_match_transformers_on_the_same_rounded_weights(tiny_models: dict[str, Path],
                                                                      tmp_path: Path) -> None:
     """--weight-dtype bfloat16 keeps float32 arithmetic: greedy tokens equal transformers' on the rounded weights."""
@@ -101,12 +113,22 @@ def test_bf16_weights_match_transformers_on_the_same_rounded_weights(tiny_models
     oracle_dir = _with_linear_weights_rounded_to_bf16(model_dir, tmp_path / "rounded")
     jobs = workload(seed=14)
     expected = [greedy_tokens(oracle_dir, p, n) for p, n in jobs]
-    with spindle_serve(model_dir, "--weight-dtype", "bfloat16") as server:
-        grpc_results, http_results = asyncio.run(run_both_apis(server, jobs))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    for (prompt, max_tokens), want, got in zip(jobs, expected, grpc_results, strict=True):
-        assert got.token_ids == want, f"gRPC prompt {prompt} max_tokens {max_tokens}"
-    for want, (text, _) in zip(expected, http_results, strict=True):
-        assert text == tokenizer.decode(want, skip_special_tokens=True)
+    _served_greedy_equals(model_dir, ("--weight-dtype", "bfloat16"), jobs, expected)
     unrounded = [greedy_tokens(model_dir, p, n) for p, n in jobs]
     assert unrounded != expected, "rounding changed no output: the test would not see weights left in float32"
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_bf16_kv_cache_matches_transformers_with_the_same_rounding(tiny_models: dict[str, Path], family: str) -> None:
+    """--kv-cache-dtype bfloat16 stores keys and values rounded and computes in float32: greedy tokens
+    equal transformers' with a cache that rounds them alike (Mistral: through its sliding window).
+    float16 rounds too little to change a greedy token of these models; test_worker_models.py
+    checks it allocates and holds twice the blocks, test_paged_attention.py that the kernel reads it."""
+    import torch
+
+    model_dir = tiny_models[family]
+    jobs = workload(seed=zlib.crc32(f"{family}-bf16-kv".encode()))
+    expected = [greedy_tokens(model_dir, p, n, kv_cache_dtype=torch.bfloat16) for p, n in jobs]
+    _served_greedy_equals(model_dir, ("--kv-cache-dtype", "bfloat16"), jobs, expected)
+    unrounded = [greedy_tokens(model_dir, p, n) for p, n in jobs]
+    assert unrounded != expected, "rounding changed no output: the test would not see a cache left in float32"

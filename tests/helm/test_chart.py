@@ -198,6 +198,7 @@ def test_the_chart_sets_no_spindle_variable_beyond_those_checked() -> None:
     for component in SERVICES:
         sets += [f"{component}.config.{key}=1" for key in values[component]["config"]]
     sets += ["worker.config.device=cpu", "worker.config.dtype=auto", "worker.config.attentionBackend=auto",
+             "worker.config.weightDtype=auto", "worker.config.kvCacheDtype=auto",
              "scheduler.config.enablePrefixCaching=true",
              "scheduler.config.enablePriorityPreemption=false"]
     manifests = render(sets=tuple(sets))
@@ -219,7 +220,8 @@ def test_config_block_becomes_environment_the_services_parse(tmp_path: Path) -> 
     # From a file, as operators write them: YAML integers reach templates as floats, and written
     # naively 1073741824 would become 1.073741824e+09, which int() refuses.
     values.write_text(yaml.safe_dump({
-        "worker": {"config": {"kvCacheBytes": 1073741824, "gpuMemoryFraction": 0.85}},
+        "worker": {"config": {"kvCacheBytes": 1073741824, "gpuMemoryFraction": 0.85, "kvCacheDtype": "bfloat16",
+                              "attentionBackend": "paged"}},
         "scheduler": {"config": {"enablePrefixCaching": False}},
         "frontend": {"config": {"requestTimeoutS": 30}},
     }))
@@ -227,6 +229,7 @@ def test_config_block_becomes_environment_the_services_parse(tmp_path: Path) -> 
     worker = config_data(manifests, "worker")
     assert worker["SPINDLE_KV_CACHE_BYTES"] == "1073741824"
     assert worker["SPINDLE_GPU_MEMORY_FRACTION"] == "0.85"
+    assert (worker["SPINDLE_KV_CACHE_DTYPE"], worker["SPINDLE_ATTENTION_BACKEND"]) == ("bfloat16", "paged")
     assert config_data(manifests, "scheduler")["SPINDLE_ENABLE_PREFIX_CACHING"] == "false"
     assert config_data(manifests, "frontend")["SPINDLE_REQUEST_TIMEOUT_S"] == "30"
     # A null config key is left out, so the service keeps its own default.

@@ -153,6 +153,30 @@ def test_bf16_query_over_fp32_cache_and_strided_value_view() -> None:
     torch.testing.assert_close(bf16.float(), expected, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "window"), [(8, 2, 64, None), (6, 3, 20, 9)])
+def test_fp32_queries_over_a_16_bit_cache(cache_dtype, heads, kv_heads, head_dim, window, head_major) -> None:
+    """--kv-cache-dtype: float32 queries, keys and values; the cache stores them rounded, and the
+    output is float32 attention over the rounded keys and values (head_dim 20: a row that is not
+    a whole number of 8-wide vectors, for the F16C widening's tail)."""
+    cache, common, query, key, value, full_k, full_v = _case(4, heads, kv_heads, head_dim, 8, cache_dtype,
+                                                             head_major=head_major)
+    query, key, value = query.float(), key.float(), value.float()  # rounded values: the cache holds them exactly
+    backend = create(8)
+    spec = LayerAttentionSpec(heads, kv_heads, head_dim, head_dim**-0.5, window)
+    out = backend.forward(spec, query, key, value, cache, backend.metadata_builder().build(common, []))
+    assert out.dtype == torch.float32 and cache.dtype == cache_dtype
+    starts = common.query_start_loc.tolist()
+    for r, (n, q_len) in enumerate(ROWS):
+        expected = _reference(query[starts[r] : starts[r + 1]], full_k[r], full_v[r], n - q_len, window, None,
+                              spec.scale)
+        torch.testing.assert_close(out[starts[r] : starts[r + 1]].double(), expected, atol=1e-5, rtol=1e-5)
+    slots = common.slot_mapping
+    written = cache[:, slots // 8, slots % 8]
+    assert torch.equal(written[0], key.to(cache_dtype)) and torch.equal(written[1], value.to(cache_dtype))
+
+
 def test_work_items_cover_every_query_once_largest_first() -> None:
     q_lens, seq_lens = np.array([1, 40, 17, 3]), np.array([9, 90, 17, 300])
     items = work_items(q_lens, seq_lens, tile=16)

@@ -120,6 +120,42 @@ def test_weight_dtype_is_bf16_under_float32_on_cpu_only() -> None:
             resolve_weight_dtype(name, dtype, device)
 
 
+def test_kv_cache_dtype_is_16_bit_under_float32_with_paged_attention_only() -> None:
+    from services.worker.worker import resolve_kv_cache_dtype
+
+    assert resolve_kv_cache_dtype("auto", torch.float32, "sdpa") == torch.float32
+    assert resolve_kv_cache_dtype("float32", torch.float32, "naive") == torch.float32  # the same as dtype
+    assert resolve_kv_cache_dtype("bfloat16", torch.float32, "paged") == torch.bfloat16
+    assert resolve_kv_cache_dtype("float16", torch.float32, "paged") == torch.float16
+    for name, dtype, backend in (("bfloat16", torch.float32, "sdpa"), ("float16", torch.float32, "naive"),
+                                 ("float32", torch.bfloat16, "paged"), ("bfloat16", torch.float16, "flash-attn")):
+        with pytest.raises(ValueError, match="only a bfloat16 or float16 cache under float32 activations"):
+            resolve_kv_cache_dtype(name, dtype, backend)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16"])
+def test_a_16_bit_kv_cache_holds_twice_the_blocks(tiny_models: dict[str, Path], kv_cache_dtype: str) -> None:
+    from services.worker.config import WorkerConfig
+    from services.worker.worker import Worker
+
+    def worker(name: str) -> Worker:
+        return Worker(WorkerConfig(model=str(tiny_models["llama"]), attention_backend="paged", kv_cache_dtype=name,
+                                   kv_cache_bytes=8 << 20, num_threads=2))
+
+    wide, narrow = worker("auto"), worker(kv_cache_dtype)
+    assert narrow.info.num_kv_blocks == 2 * wide.info.num_kv_blocks
+    assert {c.dtype for c in narrow.runner.kv_caches} == {getattr(torch, kv_cache_dtype)}
+    assert {c.dtype for c in wide.runner.kv_caches} == {torch.float32}
+
+
+def test_kv_cache_dtype_is_refused_for_models_without_a_kv_cache(minilm_dir: Path) -> None:
+    from services.worker.config import WorkerConfig
+    from services.worker.worker import Worker
+
+    with pytest.raises(ValueError, match="kv_cache_dtype applies to decoder models"):
+        Worker(WorkerConfig(model=str(minilm_dir), attention_backend="paged", kv_cache_dtype="bfloat16"))
+
+
 def test_bf16_weights_load_into_linear_layers_only(tiny_models: dict[str, Path]) -> None:
     backend = create_backend("sdpa", 16)
     model = load_model(tiny_models["llama"], backend, torch.float32, torch.device("cpu"), torch.bfloat16)

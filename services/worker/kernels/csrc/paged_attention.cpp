@@ -77,7 +77,7 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -93,6 +93,22 @@ inline float to_float(c10::BFloat16 x) {
   return f;
 }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// n cache elements widened to fp32. bf16's shift vectorises as written; c10::Half's conversion
+// is bit manipulation the compiler does not vectorise (a float16 cache read 2.3x slower than a
+// bf16 one at 64 rows x 192 tokens), so with F16C it takes vcvtph2ps, 8 at a time.
+template <typename T>
+inline void widen_row(const T* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+#endif
+#pragma omp simd
+  for (int64_t j = i; j < n; ++j) dst[j] = to_float(src[j]);
+}
 
 template <typename T>
 inline T from_float(float x) {
@@ -267,14 +283,8 @@ class ItemKernel {
       return {k, v, tok};
     } else {
       for (int64_t j = 0; j < BS; ++j) {
-        float* dk = k_.data() + j * D;
-        float* dv = v_.data() + j * D;
-        const kv_t* sk = k + j * tok;
-        const kv_t* sv = v + j * tok;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) dk[d] = to_float(sk[d]);
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) dv[d] = to_float(sv[d]);
+        widen_row(k + j * tok, k_.data() + j * D, D);
+        widen_row(v + j * tok, v_.data() + j * D, D);
       }
       return {k_.data(), v_.data(), D};
     }
