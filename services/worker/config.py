@@ -30,7 +30,7 @@ class WorkerConfig:
         kv_cache_dtype: how the KV cache is stored; auto = dtype. bfloat16 or float16 under float32
             activations (CPU paged attention, which widens each block as it reads it) halves the
             cache's bytes: twice the tokens in the same budget, half the bytes attention reads.
-        attention_backend: auto, sdpa, naive or flash-attn.
+        attention_backend: auto, paged (CPU), sdpa, naive or flash-attn.
         block_size: tokens per KV-cache block (decoders; prefill-only models have no KV cache).
         kv_cache_bytes: KV-cache budget on CPU (on CUDA it is measured instead).
         gpu_memory_fraction: share of GPU memory the worker may use (weights, activations, KV cache).
