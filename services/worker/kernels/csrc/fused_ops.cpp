@@ -21,6 +21,7 @@
 
 #include "fused_ops.h"
 #include "kernel_ops.h"
+#include "vec_math.h"
 #include "work_pool.h"
 
 #include <ATen/core/Tensor.h>
@@ -55,13 +56,6 @@ namespace {
 
 constexpr int64_t kGrainElements = 32768;  // elements per thread below which a call stays on one thread (torch's)
 
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
 
 // Rows of `n` elements over threads, at least kGrainElements per thread.
 template <typename F>
@@ -82,10 +76,10 @@ void norm_row(const float* s, float* out, const W* w, int64_t n, float eps, bool
   const float inv = 1.0f / std::sqrt(squares / static_cast<float>(n) + eps);
   if (unit_offset) {
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) out[i] = (s[i] * inv) * (1.0f + widen(w[i]));
+    for (int64_t i = 0; i < n; ++i) out[i] = (s[i] * inv) * (1.0f + to_float(w[i]));
   } else {
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) out[i] = widen(w[i]) * (s[i] * inv);
+    for (int64_t i = 0; i < n; ++i) out[i] = to_float(w[i]) * (s[i] * inv);
   }
 }
 

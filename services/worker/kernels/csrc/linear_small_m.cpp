@@ -21,6 +21,7 @@
 // Which calls use it is decided by measurement at run time (models/fast_linear.py).
 
 #include "kernel_ops.h"
+#include "vec_math.h"
 #include "work_pool.h"
 
 #include <ATen/core/Tensor.h>
@@ -113,14 +114,6 @@ inline float row_dot(const float* x, const W* w, int64_t K) {
   return sum;
 }
 
-// bf16 -> fp32 by a shift (exact), vectorised where AVX2 is there.
-inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#ifdef __AVX2__
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
-#endif
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
 
 template <typename W>
 void run(const float* x, const W* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
@@ -140,7 +133,7 @@ void run(const float* x, const W* w, const float* bias, float* y, int64_t M, int
       const int64_t nf = std::min(kFeaturesPerBlock, N - f0);
       if constexpr (kWiden) {
         if (widen_once) {
-          widen(w + f0 * K, scratch.data(), nf * K);
+          widen_row(w + f0 * K, scratch.data(), nf * K);
           for (int64_t m0 = 0; m0 < M; m0 += kRowsPerBlock)
             tile(x, scratch.data(), y, K, N, m0, std::min(kRowsPerBlock, M - m0), f0, nf);
         }

@@ -77,38 +77,12 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) || defined(__F16C__)
+#ifdef __AVX2__
 #include <immintrin.h>
 #endif
 
 namespace spindle {
 namespace {
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  // bf16 is the top half of an fp32: a shift the vectoriser turns into one instruction.
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-
-// n cache elements widened to fp32. bf16's shift vectorises as written; c10::Half's conversion
-// is bit manipulation the compiler does not vectorise (a float16 cache read 2.3x slower than a
-// bf16 one at 64 rows x 192 tokens), so with F16C it takes vcvtph2ps, 8 at a time.
-template <typename T>
-inline void widen_row(const T* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(__F16C__)
-  if constexpr (std::is_same_v<T, c10::Half>) {
-    for (; i + 8 <= n; i += 8)
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  }
-#endif
-#pragma omp simd
-  for (int64_t j = i; j < n; ++j) dst[j] = to_float(src[j]);
-}
 
 template <typename T>
 inline T from_float(float x) {
