@@ -111,14 +111,15 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=8, help="decode steps per round (--num-scheduler-steps)")
+    p.add_argument("--dtype", default="auto", help="activations (--dtype of the worker)")
     p.add_argument("--weight-dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     model_dir = str(ensure_model(args.model)) if args.model in BENCH_MODELS else args.model
-    worker = Worker(WorkerConfig(model=model_dir, weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype,
-                                 num_threads=args.threads))
+    worker = Worker(WorkerConfig(model=model_dir, dtype=args.dtype, weight_dtype=args.weight_dtype,
+                                 kv_cache_dtype=args.kv_cache_dtype, num_threads=args.threads))
     runner = worker.runner
     assert isinstance(runner, ModelRunner), "the engine bench runs decoder models"
     print(f"engine: {model_dir}, {torch.get_num_threads()} threads, {args.input_len} prompt + {args.output_len} "

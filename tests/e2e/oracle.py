@@ -9,23 +9,23 @@ import torch
 
 
 @functools.cache
-def _load(model_dir: str):  # noqa: ANN202 - returns an HF model
+def _load(model_dir: str, dtype: torch.dtype = torch.float32):  # noqa: ANN202 - returns an HF model
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model.eval()
     return model
 
 
 def greedy_tokens(model_dir: Path, prompt_ids: list[int], max_new_tokens: int,
-                  kv_cache_dtype: torch.dtype | None = None) -> list[int]:
+                  kv_cache_dtype: torch.dtype | None = None, dtype: torch.dtype = torch.float32) -> list[int]:
     """transformers `generate(do_sample=False)`: the new token ids, stopping at EOS like spindle.
 
     `kv_cache_dtype`: keys and values are rounded to it as they enter the cache (and every
     attention reads them rounded), as spindle's `--kv-cache-dtype` stores them; the arithmetic
-    stays float32.
+    stays float32. `dtype`: the model's weights and arithmetic (spindle's `--dtype`).
     """
-    model = _load(str(model_dir))
+    model = _load(str(model_dir), dtype)
     cache = None if kv_cache_dtype is None else _rounding_cache(model.config, kv_cache_dtype)
     with torch.no_grad():
         out = model.generate(
@@ -45,3 +45,9 @@ def _rounding_cache(config, dtype: torch.dtype):  # noqa: ANN001, ANN202 - trans
                                   *args, **kwargs)
 
     return RoundingCache(config=config)
+
+
+def next_token_logits(model_dir: Path, ids: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """transformers' logits for the token after `ids` (one forward over all of them), as float32."""
+    with torch.no_grad():
+        return _load(str(model_dir), dtype)(torch.tensor([ids])).logits[0, -1].float()

@@ -80,7 +80,8 @@ def test_calibration_is_measured_once_then_read_back(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(fast_linear, "calibration_path", lambda: path)
     measured: list[tuple[int, ...]] = []
 
-    def fake_measure(weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool = False) -> int:
+    def fake_measure(weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool = False,
+                     dtype: torch.dtype = torch.float32) -> int:
         measured.append(tuple(weight.shape))
         return 8 * len(measured)
 
@@ -96,13 +97,17 @@ def test_calibration_is_measured_once_then_read_back(monkeypatch: pytest.MonkeyP
     monkeypatch.delenv("SPINDLE_RECALIBRATE")
     assert calibrate(model) == {(64, 64, "float32"): 32, (128, 64, "float32"): 40}, "the new answer was stored"
     assert len(measured) == 5
+    bf16 = torch.nn.Sequential(FastLinear(64, 64)).to(torch.bfloat16)
+    assert calibrate(bf16, torch.bfloat16) == {(64, 64, "bfloat16"): 48}, "bf16 activations: measured on their own"
+    keys = set(json.loads(path.read_text()))
+    assert any(k.endswith("x-bfloat16") for k in keys) and any(not k.endswith("x-bfloat16") for k in keys)
 
 
 def test_an_unreadable_calibration_file_is_measured_over(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     path = tmp_path / "linear_calibration.json"
     path.write_text("{not json")
     monkeypatch.setattr(fast_linear, "calibration_path", lambda: path)
-    monkeypatch.setattr(fast_linear, "kernel_max_rows", lambda weight, bias, onednn=False: 4)
+    monkeypatch.setattr(fast_linear, "kernel_max_rows", lambda weight, bias, onednn=False, dtype=torch.float32: 4)
     model = torch.nn.Sequential(FastLinear(64, 64))
     assert calibrate(model) == {(64, 64, "float32"): 4}
     versus = " vs-onednn" if model[0].onednn is not None else ""
@@ -138,6 +143,25 @@ def test_bf16_weights_past_the_kernel_run_on_a_float32_onednn_copy() -> None:
     x = torch.randn(7, 48)
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight.float(), layer.bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_bf16_activations_take_the_kernel_and_a_bf16_onednn_copy(rows: int) -> None:
+    """--dtype bfloat16: few rows through the kernel (x widened, y rounded back), more through a bf16
+    packed copy (native bf16 dot products where the CPU has them); both as F.linear in bf16 rounds."""
+    torch.manual_seed(rows)
+    layer = FastLinear(96, 40).to(torch.bfloat16)
+    assert fast_linear.prepack([layer], torch.bfloat16) == 96 * 40 * 2 and layer.onednn is not None
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    want = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    with torch.inference_mode():
+        for kernel_rows in (0, 64):
+            layer.kernel_max_rows = kernel_rows
+            got = layer(x)
+            assert got.dtype == torch.bfloat16 and layer.onednn.packed.dtype == torch.bfloat16
+            # fp32 sums rounded once: within a bf16 rounding (2^-8 relative) of the exact result
+            torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-2)
 
 
 @needs_onednn

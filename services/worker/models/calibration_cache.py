@@ -5,7 +5,7 @@ start-up (~2-3 s for a 100M-parameter model on 2 cores), and the answer came out
 from one start to the next where the two are close, so two runs of one benchmark did not run
 the same code. The answer depends on the CPU, the kernel build, torch and the thread count:
 it is stored beside the build (whose folder is keyed by sources, flags, torch version and CPU
-features), under a key holding the shape, the weight dtype, the bias, the torch threads and the GEMM it
+features), under a key holding the shape, the weight and activation dtypes, the bias, the torch threads and the GEMM it
 was timed against (oneDNN's on a packed copy, or torch's).
 Written atomically (rename), merged with what other workers wrote meanwhile; an unreadable
 file is measured over. `SPINDLE_RECALIBRATE=1` measures again and overwrites.
@@ -26,11 +26,12 @@ FILE_NAME = "linear_calibration.json"
 
 
 def entry_key(out_features: int, in_features: int, weight_dtype: str, has_bias: bool, num_threads: int,
-              onednn: bool = False) -> str:
+              onednn: bool = False, activation_dtype: str = "float32") -> str:
     """One measurement's key; `onednn`: the kernel was timed against oneDNN's GEMM, not torch's."""
     bias = "bias" if has_bias else "nobias"
     versus = " vs-onednn" if onednn else ""
-    return f"{out_features}x{in_features} {weight_dtype} {bias} threads={num_threads}{versus}"
+    activations = "" if activation_dtype == "float32" else f" x-{activation_dtype}"  # float32's keys as before
+    return f"{out_features}x{in_features} {weight_dtype} {bias} threads={num_threads}{versus}{activations}"
 
 
 def load(path: Path) -> dict[str, int]:

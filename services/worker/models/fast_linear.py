@@ -23,6 +23,10 @@ Weights may be stored in bfloat16 under float32 activations (`--weight-dtype bfl
 registers; past its row count the GEMM runs on a float32 oneDNN copy (the same memory guard:
 the copies take 4 bytes a parameter), else the BLAS gets float32 weights widened a slice at a
 time, because a bf16 GEMM on a CPU without bf16 math ran at ~1 GFLOP/s (measured on AVX2).
+
+With bfloat16 activations (`--dtype bfloat16`) the kernel widens x too and rounds y back, and the
+GEMM runs on a bfloat16 oneDNN-packed copy, where oneDNN uses the CPU's native bf16 dot products;
+the calibration times the two on bf16 inputs (its own cache entries).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from services.worker.models.prepacked_linear import PACKABLE_DTYPES, OneDnnWeigh
 logger = logging.getLogger(__name__)
 
 PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)  # what the kernel and the packed GEMM take
 DISABLE_ENV = "SPINDLE_DISABLE_LINEAR_KERNEL"  # 1: no kernel, the GEMM at every row count (side-by-side runs)
 DISABLE_ONEDNN_ENV = "SPINDLE_DISABLE_ONEDNN_LINEAR"  # 1: past the kernel's rows, F.linear on the plain weight
 ONEDNN_MAX_MEMORY_SHARE = 0.5  # packed copies may take at most this share of MemAvailable
@@ -61,7 +66,7 @@ class FastLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if 0 < rows <= self.kernel_max_rows and x.dtype == torch.float32:
+        if 0 < rows <= self.kernel_max_rows and x.dtype in ACTIVATION_DTYPES:
             y = torch.ops.spindle.linear_small_m(x.reshape(rows, x.shape[-1]), self.weight, self.bias)
             return y.view(*x.shape[:-1], self.out_features)
         if self.onednn is not None:
@@ -119,8 +124,10 @@ def _best_times(fns: tuple[Callable[[int], object], ...], copies: int) -> list[f
     return best
 
 
-def kernel_max_rows(weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool = False) -> int:
-    """The largest probe row count up to which the kernel beat the GEMM (oneDNN's where `onednn`) at every probe."""
+def kernel_max_rows(weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool = False,
+                    dtype: torch.dtype = torch.float32) -> int:
+    """The largest probe row count up to which the kernel beat the GEMM (oneDNN's where `onednn`) at
+    every probe, on `dtype` activations."""
     weight_bytes = weight.numel() * weight.element_size()
     weights = [weight] + [weight.clone() for _ in range(min(_MAX_COPIES, -(-_COLD_BYTES // weight_bytes)) - 1)]
     packs = [OneDnnWeight() for _ in weights] if onednn else []
@@ -130,7 +137,7 @@ def kernel_max_rows(weight: torch.Tensor, bias: torch.Tensor | None, onednn: boo
 
     best = 0
     for rows in PROBE_ROWS:
-        x = torch.randn(rows, weight.shape[1], dtype=torch.float32)
+        x = torch.randn(rows, weight.shape[1], dtype=dtype)
         kernel, other = _best_times((lambda c, x=x: torch.ops.spindle.linear_small_m(x, weights[c], bias),
                                      lambda c, x=x: gemm(c, x)), len(weights))
         if kernel >= other:
@@ -151,10 +158,12 @@ def _available_memory() -> int | None:
     return None
 
 
-def prepack(layers: list[FastLinear]) -> int:
-    """Give the layers a float32 oneDNN-packed copy for the GEMM (see the module docstring); returns bytes packed."""
+def prepack(layers: list[FastLinear], dtype: torch.dtype = torch.float32) -> int:
+    """Give the layers a oneDNN-packed copy for the GEMM on `dtype` activations (see the module
+    docstring); returns bytes packed."""
     packable = [m for m in layers if m.weight.dtype in PACKABLE_DTYPES]
-    total = sum(m.weight.numel() * 4 for m in packable)  # the copies are float32 whatever the weight's dtype
+    copy_bytes = torch.finfo(dtype).bits // 8  # the copies are in the activations' dtype whatever the weight's
+    total = sum(m.weight.numel() * copy_bytes for m in packable)
     if not packable or os.environ.get(DISABLE_ONEDNN_ENV) == "1" or not torch.backends.mkldnn.is_available():
         return 0
     available = _available_memory()
@@ -165,9 +174,9 @@ def prepack(layers: list[FastLinear]) -> int:
     packed = 0
     for layer in packable:
         onednn = OneDnnWeight()
-        if onednn.get(layer.weight, layer.bias) is not None:
+        if onednn.get(layer.weight, layer.bias, dtype) is not None:
             layer.onednn = onednn
-            packed += layer.weight.numel() * 4
+            packed += layer.weight.numel() * copy_bytes
     return packed
 
 
@@ -179,8 +188,9 @@ def calibration_path() -> Path:
 
 
 @torch.inference_mode()
-def calibrate(model: nn.Module) -> dict[tuple[int, int, str], int]:
-    """Set `kernel_max_rows` on every CPU FastLinear of `model`; returns it per (out, in, weight dtype).
+def calibrate(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict[tuple[int, int, str], int]:
+    """Set `kernel_max_rows` on every CPU FastLinear of `model` for `dtype` activations (float32 or
+    bfloat16); returns it per (out, in, weight dtype).
 
     Layers of one shape share one measurement, and a shape measured before on this kernel
     build with this many threads is read back (calibration_cache.py). Without the kernels
@@ -190,7 +200,7 @@ def calibrate(model: nn.Module) -> dict[tuple[int, int, str], int]:
 
     layers = [m for m in model.modules() if isinstance(m, FastLinear)
               and m.weight.device.type == "cpu" and m.weight.dtype in (torch.float32, torch.bfloat16)]
-    if (packed := prepack(layers)):
+    if (packed := prepack(layers, dtype)):
         logger.info("linear GEMMs run on oneDNN-packed copies (%.0f MB)", packed / 2**20)
     if not layers or os.environ.get(DISABLE_ENV) == "1":
         return {}
@@ -208,10 +218,11 @@ def calibrate(model: nn.Module) -> dict[tuple[int, int, str], int]:
         shape = (layer.out_features, layer.in_features, str(layer.weight.dtype).removeprefix("torch."))
         if shape not in by_shape:
             onednn = layer.onednn is not None
-            key = calibration_cache.entry_key(*shape, layer.bias is not None, torch.get_num_threads(), onednn)
+            key = calibration_cache.entry_key(*shape, layer.bias is not None, torch.get_num_threads(), onednn,
+                                              str(dtype).removeprefix("torch."))
             rows = stored.get(key)
             if rows is None:
-                rows = measured[key] = kernel_max_rows(layer.weight, layer.bias, onednn)
+                rows = measured[key] = kernel_max_rows(layer.weight, layer.bias, onednn, dtype)
             by_shape[shape] = rows
         layer.kernel_max_rows = by_shape[shape]
     calibration_cache.store(path, measured)

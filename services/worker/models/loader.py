@@ -79,8 +79,9 @@ def load_model(
     if weight_dtype is not None and weight_dtype != dtype:
         linear_bytes = store_weights_as(model, weight_dtype)
         logger.info("linear weights stored as %s: %.1f MiB", weight_dtype, linear_bytes / 2**20)
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+        calibrate(model, dtype)  # which linear layers run few-row inputs through spindle's kernel
     if device.type == "cpu" and dtype == torch.float32:
-        calibrate(model)  # which linear layers run few-row inputs through spindle's kernel
         for module in model.modules():
             if isinstance(module, DecoderForCausalLM):
                 module.build_native_stack()  # needs the calibration's row counts

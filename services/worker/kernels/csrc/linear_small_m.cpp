@@ -150,20 +150,25 @@ void run(const float* x, const W* w, const float* bias, float* y, int64_t M, int
 
 }  // namespace
 
+// x may be float32 or bfloat16 (a --dtype bfloat16 model): bf16 rows are widened once (a few KB
+// for a decode step's rows), the sums stay fp32 and y is rounded to x's dtype at the end, as a
+// native bf16 GEMM rounds its fp32 accumulators; the bias, if any, is in x's dtype.
 at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear_small_m: x [M, K], weight [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "linear_small_m: x must be float32");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "linear_small_m: x must be float32 or bfloat16");
   TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
               "linear_small_m: weight must be float32 or bfloat16");
-  const at::Tensor xc = x.contiguous();
+  const at::Tensor xc = x.contiguous().to(at::kFloat);
   const at::Tensor wc = weight.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
   at::Tensor y = at::empty({M, N}, xc.options());
   const float* b = nullptr;
   at::Tensor bc;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N, "linear_small_m: bias must be float32 [N]");
-    bc = bias->contiguous();
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == N,
+                "linear_small_m: bias must be [N] in x's dtype");
+    bc = bias->contiguous().to(at::kFloat);
     b = bc.data_ptr<float>();
   }
   if (wc.scalar_type() == at::kFloat) {
@@ -171,7 +176,7 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c
   } else {
     run(xc.data_ptr<float>(), wc.data_ptr<c10::BFloat16>(), b, y.data_ptr<float>(), M, N, K);
   }
-  return y;
+  return y.to(x.scalar_type());
 }
 
 }  // namespace spindle
