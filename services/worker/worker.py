@@ -50,6 +50,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def _warn_without_native_bf16(dtype: torch.dtype, device: torch.device) -> None:
+    """bf16 activations on a CPU without bf16 math run, but their GEMMs crawl: say so, with the alternative."""
+    from services.worker.kernels.build import cpu_has_native_bf16
+
+    if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16():
+        logger.warning("dtype bfloat16 on a CPU without native bf16 math (no avx512_bf16, amx_bf16 or bf16 flag): "
+                       "its matrix products are emulated and slow; --dtype float32 --weight-dtype bfloat16 keeps "
+                       "the halved weight bytes with float32 arithmetic")
+
+
 def resolve_weight_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """Storage dtype of linear weights: as the activations, or bfloat16 under float32 on a CPU.
 
@@ -96,6 +106,7 @@ class Worker:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        _warn_without_native_bf16(self.dtype, self.device)
         self.weight_dtype = resolve_weight_dtype(config.weight_dtype, self.dtype, self.device)
         backend_name = resolve_backend_name(config.attention_backend, self.device.type)
         if backend_name == "flash-attn" and self.dtype == torch.float32:

@@ -66,12 +66,17 @@ def test_cli_flags() -> None:
     assert s.spindle_args == ("--num-scheduler-steps", "8")
 
 
-def test_spindle_args_per_dtype_and_part() -> None:
+@pytest.mark.parametrize(("native_bf16", "flag"), [(True, "--dtype"), (False, "--weight-dtype")])
+def test_spindle_args_per_dtype_and_part(monkeypatch: pytest.MonkeyPatch, native_bf16: bool, flag: str) -> None:
+    """bf16 cells: bf16 arithmetic where the CPU has bf16 math (as the peers compute), else bf16 weights only."""
+    from services.worker.kernels import build
+
+    monkeypatch.setattr(build, "cpu_has_native_bf16", lambda: native_bf16)
     settings = PeerBenchSettings(spindle_args=("--num-scheduler-steps", "1"), contexts=(4096,))
     fp32, bf16 = (next(j for j in plan(settings) if j.server == SPINDLE and j.dtype == d and j.part == TABLE)
                   for d in ("float32", "bfloat16"))
     assert spindle_serve_args(fp32, settings) == ("--num-scheduler-steps", "1")
-    assert spindle_serve_args(bf16, settings) == ("--num-scheduler-steps", "1", "--weight-dtype", "bfloat16")
+    assert spindle_serve_args(bf16, settings) == ("--num-scheduler-steps", "1", flag, "bfloat16")
     sweep = next(j for j in plan(settings) if j.server == SPINDLE and j.part == SWEEP)
     args = spindle_serve_args(sweep, settings)
     assert args[-2] == "--kv-cache-bytes"

@@ -120,6 +120,25 @@ def test_weight_dtype_is_bf16_under_float32_on_cpu_only() -> None:
             resolve_weight_dtype(name, dtype, device)
 
 
+@pytest.mark.parametrize(("flags", "native"), [("fpu sse2 avx2 fma f16c", False), ("avx2 avx512f avx512_bf16", True),
+                                              ("avx512f amx_tile amx_bf16", True), ("fp asimd bf16 i8mm", True)])
+def test_bf16_activations_on_a_cpu_without_bf16_math_warn(monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture, flags: str,
+                                                          native: bool) -> None:
+    """--dtype bfloat16 runs anywhere, but without bf16 dot products its GEMMs crawl: the log says so."""
+    from services.worker import worker
+    from services.worker.kernels import build
+
+    monkeypatch.setattr(build, "_cpu_features", lambda: flags)
+    assert build.cpu_has_native_bf16() is native
+    with caplog.at_level("WARNING", logger=worker.__name__):
+        worker._warn_without_native_bf16(torch.float32, torch.device("cpu"))
+        worker._warn_without_native_bf16(torch.bfloat16, torch.device("cuda"))
+        assert not caplog.records
+        worker._warn_without_native_bf16(torch.bfloat16, torch.device("cpu"))
+    assert (not native) == any("--weight-dtype bfloat16" in r.getMessage() for r in caplog.records)
+
+
 def test_kv_cache_dtype_is_16_bit_under_float32_with_paged_attention_only() -> None:
     from services.worker.worker import resolve_kv_cache_dtype
 
