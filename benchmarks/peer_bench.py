@@ -278,8 +278,9 @@ def run_all(settings: PeerBenchSettings, stem: str) -> tuple[MachineLimits, list
     from benchmarks.machine_limits import measure
 
     limits = measure(settings.num_threads)
-    logger.info("machine: peak fp32 GEMM %.1f GFLOP/s, memory reads %.1f GB/s", limits.gemm_flops / 1e9,
-                limits.read_bandwidth / 1e9)
+    logger.info("machine: peak fp32 GEMM %.1f GFLOP/s, memory reads %.1f GB/s, peak bf16 GEMM %s",
+                limits.gemm_flops / 1e9, limits.read_bandwidth / 1e9,
+                f"{limits.bf16_gemm_flops / 1e9:.1f} GFLOP/s" if limits.bf16_gemm_flops else "(no bf16 math)")
     has_weight_dtype = spindle_takes(WEIGHT_DTYPE_FLAG)
     logger.info("spindle serve %s %s; its bf16 cells run %s bfloat16", "takes" if has_weight_dtype else
                 "does not take (yet)", WEIGHT_DTYPE_FLAG, bf16_flag())

@@ -225,9 +225,9 @@ def limit_fractions(row: PeerRow) -> LimitFractions:
     if row.concurrency == 1:
         return LimitFractions(bandwidth_fraction(row.throughput, spec, row.dtype, row.limits), None,
                               tail_ratio(row.summary.itl.p99_ms, row.summary.itl.p50_ms))
-    return LimitFractions(None, gemm_fraction(row.throughput, spec, row.limits),
+    return LimitFractions(None, gemm_fraction(row.throughput, spec, row.limits, dtype=row.dtype),
                           tail_ratio(row.summary.itl.p99_ms, row.summary.itl.p50_ms),
-                          gemm_fraction(row.throughput, spec, row.limits, row.prompt_len / row.output_len))
+                          gemm_fraction(row.throughput, spec, row.limits, row.prompt_len / row.output_len, row.dtype))
 
 
 def format_limit_table(rows: Sequence[PeerRow]) -> str:
@@ -330,7 +330,8 @@ def format_limits(rows: Sequence[PeerRow]) -> str:
     """The machine limits each run measured (one line per distinct measurement)."""
     seen = dict.fromkeys(r.limits for r in rows)
     return "".join(f"- peak fp32 GEMM {lim.gemm_flops / 1e9:.1f} GFLOP/s, memory reads {lim.read_bandwidth / 1e9:.1f} "
-                   "GB/s\n" for lim in seen)
+                   "GB/s" + (f", peak bf16 GEMM {lim.bf16_gemm_flops / 1e9:.1f} GFLOP/s (bf16 cells' FLOP/s fraction)"
+                             if lim.bf16_gemm_flops else "") + "\n" for lim in seen)
 
 
 def format_report(rows: Sequence[PeerRow]) -> str:

@@ -39,10 +39,16 @@ def weight_bytes(spec: TinyModelSpec, dtype: str) -> int:
 
 @dataclass(frozen=True, slots=True)
 class MachineLimits:
-    """What the machine did in the same run: peak fp32 GEMM and memory read bandwidth."""
+    """What the machine did in the same run: peak fp32 GEMM, memory read bandwidth, and peak bf16
+    GEMM where the CPU multiplies bf16 natively (None elsewhere: bf16 cells compute in fp32 there)."""
 
     gemm_flops: float  # FLOP/s
     read_bandwidth: float  # bytes/s
+    bf16_gemm_flops: float | None = None  # FLOP/s
+
+    def peak_flops(self, dtype: str) -> float:
+        """The GEMM peak that bounds a cell with `dtype` weights: bf16's where it was measured."""
+        return self.bf16_gemm_flops if dtype == "bfloat16" and self.bf16_gemm_flops else self.gemm_flops
 
 
 def bandwidth_fraction(tokens_per_s: float, spec: TinyModelSpec, dtype: str, limits: MachineLimits) -> float:
@@ -51,8 +57,9 @@ def bandwidth_fraction(tokens_per_s: float, spec: TinyModelSpec, dtype: str, lim
 
 
 def gemm_fraction(tokens_per_s: float, spec: TinyModelSpec, limits: MachineLimits,
-                  prompt_tokens_per_output: float = 0.0) -> float:
-    """Batched decode: 2 x weights x tok/s / peak GEMM FLOP/s (attention's FLOPs not counted).
+                  prompt_tokens_per_output: float = 0.0, dtype: str = "float32") -> float:
+    """Batched decode: 2 x weights x tok/s / peak GEMM FLOP/s of `dtype` weights' arithmetic
+    (attention's FLOPs not counted).
 
     With `prompt_tokens_per_output` (the workload's prompt / output lengths) the prompt tokens
     the same run computed count too, each through every weight but the LM head (only a prompt's
@@ -61,7 +68,7 @@ def gemm_fraction(tokens_per_s: float, spec: TinyModelSpec, limits: MachineLimit
     """
     prompt_weights = decode_weights(spec) - spec.vocab_size * spec.hidden_size
     flops_per_output = 2.0 * (decode_weights(spec) + prompt_tokens_per_output * prompt_weights)
-    return flops_per_output * tokens_per_s / limits.gemm_flops
+    return flops_per_output * tokens_per_s / limits.peak_flops(dtype)
 
 
 def tail_ratio(p99_ms: float, p50_ms: float) -> float | None:

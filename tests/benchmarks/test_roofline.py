@@ -48,5 +48,10 @@ def test_fractions() -> None:
     # One prompt token per output token: every weight but the LM head once more per output token.
     lm_head = spec.vocab_size * spec.hidden_size
     assert gemm_fraction(500.0, spec, limits, 1.0) == pytest.approx(2 * (2 * per_token - lm_head) * 500 / 2e11)
+    # bf16 cells count against the bf16 peak where one was measured (bf16 math), else the fp32 one.
+    assert gemm_fraction(500.0, spec, limits, dtype="bfloat16") == gemm_fraction(500.0, spec, limits)
+    native = MachineLimits(gemm_flops=2e11, read_bandwidth=4e10, bf16_gemm_flops=8e11)
+    assert gemm_fraction(500.0, spec, native, dtype="bfloat16") == pytest.approx(2 * per_token * 500 / 8e11)
+    assert gemm_fraction(500.0, spec, native) == gemm_fraction(500.0, spec, limits)
     assert tail_ratio(30.0, 10.0) == pytest.approx(3.0)
     assert tail_ratio(30.0, 0.0) is None

@@ -3,6 +3,7 @@
 - residual add + RMSNorm (`rms_norm`, `add_rms_norm`) against `RMSNorm`'s torch path: Llama's
   and Gemma's unit-offset weights, fp32 and bf16 weights, odd widths, 1-64 rows;
 - act(gate) * up (`act_and_mul`) against `F.silu(gate) * up` and tanh-GELU;
+- the same on bf16 activations (`--dtype bfloat16`), rounded where torch's bf16 ops round;
 - rotary inside paged attention (`forward_rotary`) against `RotaryEmbedding` then `forward`:
   the same cache contents and outputs, bit for bit, for full and partial rotary dims;
 - the decoder with the fused path on equals it off (hidden states, greedy tokens), and
@@ -56,7 +57,40 @@ def test_add_rms_norm_equals_torch(rows: int, hidden: int, unit_offset: bool, we
                                norm._torch_forward(x), rtol=2e-6, atol=1e-6)
 
 
-def test_rms_norm_module_routes_float32_only_when_fused() -> None:
+def _within_a_bf16_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16 outputs of one computation summed in two orders: equal but for a rounding flipped here and there."""
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6)
+    assert (got == want).float().mean() >= 0.98
+
+
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 1024), (64, 1024), (3, 37)])
+def test_add_rms_norm_on_bf16_activations_rounds_as_torch(rows: int, hidden: int, unit_offset: bool) -> None:
+    """--dtype bfloat16: the residual add rounds to bf16, the norm in fp32, rounded where
+    RMSNorm's torch path (HF's) rounds."""
+    gen = torch.Generator().manual_seed(rows * 100 + hidden)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).bfloat16()
+    residual = torch.randn(rows, hidden, generator=gen).bfloat16()
+    norm = _norm(hidden, unit_offset, torch.bfloat16, rows)
+    want_sum = residual + x
+    got_sum, got = torch.ops.spindle.add_rms_norm(x, residual, norm.weight, norm.eps, unit_offset)
+    assert torch.equal(got_sum, want_sum)
+    _within_a_bf16_rounding(got, norm._torch_forward(want_sum))
+    _within_a_bf16_rounding(torch.ops.spindle.rms_norm(x, norm.weight, norm.eps, unit_offset), norm._torch_forward(x))
+
+
+@pytest.mark.parametrize(("rows", "intermediate"), [(1, 2816), (64, 2816), (3, 13)])
+def test_act_and_mul_on_bf16_activations_rounds_as_torch(rows: int, intermediate: int) -> None:
+    gen = torch.Generator().manual_seed(rows + intermediate)
+    gate_up = (torch.randn(rows, 2 * intermediate, generator=gen) * 4).bfloat16()
+    gate, up = gate_up.split(intermediate, dim=-1)
+    # act(gate) rounds to bf16, then the product: exactly torch's two bf16 ops (SLEEF's exp as torch's)
+    _within_a_bf16_rounding(torch.ops.spindle.act_and_mul(gate_up, 0), F.silu(gate) * up)
+    _within_a_bf16_rounding(torch.ops.spindle.act_and_mul(gate_up, 1), F.gelu(gate, approximate="tanh") * up)
+
+
+def test_rms_norm_module_routes_only_what_the_kernel_rounds_alike() -> None:
     norm = _norm(64, False, torch.float32, 0)
     x, residual = torch.randn(3, 2, 64), torch.randn(3, 2, 64)  # 3-d inputs keep their shape
     norm.fused = True
@@ -65,7 +99,9 @@ def test_rms_norm_module_routes_float32_only_when_fused() -> None:
     torch.testing.assert_close(h, norm._torch_forward(residual + x), rtol=2e-6, atol=1e-6)
     assert norm.add_forward(x, None)[0] is x
     bf16 = x.bfloat16()
-    assert torch.equal(norm(bf16), norm._torch_forward(bf16))  # other dtypes: torch's ops
+    assert torch.equal(norm(bf16), norm._torch_forward(bf16))  # bf16 times a float32 weight: torch's ops
+    half = x.half()
+    assert torch.equal(norm(half), norm._torch_forward(half))  # other dtypes: torch's ops
 
 
 @pytest.mark.parametrize(("rows", "intermediate"), [(1, 2816), (16, 2816), (64, 2816), (3, 13), (2, 8)])
@@ -91,14 +127,18 @@ def _rope(head_dim: int, rotary_dim: int, positions: int) -> RopeConfig:
     return RopeConfig("default", 10000.0, head_dim, rotary_dim, positions)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                                   (torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "rotary_dim", "window"),
                          [(16, 4, 64, 64, None), (4, 2, 32, 16, 7), (6, 1, 16, 16, None)])
 def test_rotary_in_paged_attention_equals_rope_then_attention(
-    heads: int, kv_heads: int, head_dim: int, rotary_dim: int, window: int | None, cache_dtype: torch.dtype
+    heads: int, kv_heads: int, head_dim: int, rotary_dim: int, window: int | None, dtype: torch.dtype,
+    cache_dtype: torch.dtype
 ) -> None:
+    """float32 q/k, and bf16 ones (--dtype bfloat16: RotaryEmbedding's bf16 ops round each product
+    and sum, and so does the kernel): the same cache contents and outputs, bit for bit."""
     cache, common, query, key, value, _, _ = _case(5, heads, kv_heads, head_dim, 16, cache_dtype)
-    query, key, value = query.float(), key.float(), value.float()
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     positions = torch.cat([torch.arange(n - q, n) for n, q in ROWS])
     rope = RotaryEmbedding(_rope(head_dim, rotary_dim, 256))
     backend = create(16)
@@ -123,12 +163,12 @@ def test_rotary_rejects_positions_past_the_table() -> None:
                                rope.cos, rope.sin)
 
 
-def _greedy(model: torch.nn.Module, backend, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+def _greedy(model: torch.nn.Module, backend, prompt: list[int], steps: int,
+            dtype: torch.dtype = torch.float32) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens from prefill + decode steps through the paged cache, and the prefill's hidden states."""
     config = model.config
     block_size, blocks = 16, 8
-    caches = allocate_kv_caches(config, blocks, block_size, torch.float32, torch.device("cpu"),
-                                backend.head_major_cache)
+    caches = allocate_kv_caches(config, blocks, block_size, dtype, torch.device("cpu"), backend.head_major_cache)
     tokens, first_hidden = list(prompt), None
     builder = backend.metadata_builder()
     done = 0
@@ -163,6 +203,20 @@ def test_decoder_fused_path_equals_unfused(llama_dir: Path, monkeypatch: pytest.
     monkeypatch.setenv(DISABLE_ENV, "1")
     assert fused_kernels_error(torch.device("cpu")) == f"disabled by {DISABLE_ENV}"
     assert not load_model(llama_dir, backend, torch.float32, torch.device("cpu")).layers[0].mlp.fused
+
+
+def test_decoder_fused_path_on_bf16_activations_equals_unfused(llama_dir: Path) -> None:
+    """--dtype bfloat16: the fused kernels round where torch's bf16 ops do; only the norm's sum of
+    squares runs in another order, so hidden states agree to bf16's rounding and tokens match."""
+    backend = create_backend("paged", 16)
+    model = load_model(llama_dir, backend, torch.bfloat16, torch.device("cpu"))
+    assert model.layers[0].mlp.fused and model.layers[0].self_attn.fused_rotary and model.norm.fused
+    prompt = [3, 17, 42, 5, 9, 88, 21]
+    fused_tokens, fused_hidden = _greedy(model, backend, prompt, 12, torch.bfloat16)
+    model.use_fused_kernels(False)
+    tokens, hidden = _greedy(model, backend, prompt, 12, torch.bfloat16)
+    assert fused_tokens == tokens
+    torch.testing.assert_close(fused_hidden.float(), hidden.float(), rtol=2**-6, atol=2**-6)
 
 
 def test_sdpa_backend_keeps_rotary_in_torch(llama_dir: Path) -> None:

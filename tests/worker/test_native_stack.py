@@ -4,7 +4,7 @@ Greedy agreement with transformers through the stack is tested by the family ora
 (test_model_families.py, test_runner_oracle.py: paged backend, multi-step decode); here the
 stack's hidden states are compared bit for bit with the fused Python path's on the same cache
 contents, for batched decode steps and small prefills, GQA, biases (Qwen2), a sliding window
-shorter than the contexts (Mistral) and bf16 weights.
+shorter than the contexts (Mistral), bf16 weights and bf16 activations.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ BLOCKS_PER_ROW = 4
 KERNEL_ROWS = 8  # every linear layer runs the small-M kernel up to this many rows (instead of the calibration's)
 
 
-def _model(model_dir: Path, weight_dtype: torch.dtype = torch.float32) -> DecoderForCausalLM:
-    model = load_model(model_dir, create_backend("paged", BLOCK_SIZE), torch.float32, torch.device("cpu"))
-    if weight_dtype != torch.float32:
+def _model(model_dir: Path, weight_dtype: torch.dtype = torch.float32,
+           dtype: torch.dtype = torch.float32) -> DecoderForCausalLM:
+    model = load_model(model_dir, create_backend("paged", BLOCK_SIZE), dtype, torch.device("cpu"))
+    if weight_dtype != dtype:
         store_weights_as(model, weight_dtype)
     for module in model.modules():
         if isinstance(module, FastLinear):
@@ -69,7 +70,7 @@ def _run(model: DecoderForCausalLM, native: bool, prompts: list[list[int]], step
     config = model.config
     stack = model.native_stack
     model.native_stack = stack if native else None
-    caches = allocate_kv_caches(config, len(prompts) * BLOCKS_PER_ROW, BLOCK_SIZE, torch.float32,
+    caches = allocate_kv_caches(config, len(prompts) * BLOCKS_PER_ROW, BLOCK_SIZE, model.norm.weight.dtype,
                                 torch.device("cpu"), head_major=True)  # the paged backend's layout
     out = []
     tokens = [list(p) for p in prompts]
@@ -95,11 +96,14 @@ def _run(model: DecoderForCausalLM, native: bool, prompts: list[list[int]], step
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("weight_dtype", "dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                     (torch.bfloat16, torch.bfloat16)])
 def test_stack_equals_python_layers(
-    tiny_models: dict[str, Path], family: str, weight_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    tiny_models: dict[str, Path], family: str, weight_dtype: torch.dtype, dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = _model(tiny_models[family], weight_dtype)
+    """fp32 activations on fp32 or bf16 weights, and bf16 activations (--dtype bfloat16)."""
+    model = _model(tiny_models[family], weight_dtype, dtype)
     calls = []
     run_stack = NativeStack.__call__
     monkeypatch.setattr(NativeStack, "__call__", lambda self, *args: calls.append(1) or run_stack(self, *args))
@@ -144,7 +148,7 @@ def test_stack_takes_only_what_it_covers(llama_dir: Path) -> None:
     assert not stack.accepts(torch.zeros(KERNEL_ROWS + 1, model.config.hidden_size), caches, meta), "past the kernel"
     assert not stack.accepts(hidden, None, meta), "no KV cache (encoder-style pass)"
     assert not stack.accepts(hidden, caches, object()), "another backend's metadata"
-    assert not stack.accepts(hidden.bfloat16(), caches, meta), "bf16 activations"
+    assert not stack.accepts(hidden.bfloat16(), caches, meta), "bf16 activations into a float32 model's stack"
     model.use_fused_kernels(False)
     assert model.native_stack is None
 

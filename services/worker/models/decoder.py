@@ -39,7 +39,7 @@ _FUSED = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
-_FLOAT32 = torch.float32
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations the fused kernels take
 
 
 class RMSNorm(nn.Module):
@@ -49,7 +49,7 @@ class RMSNorm(nn.Module):
     applied in float32 before the cast back, in that order, as transformers does.
     """
 
-    fused = False  # float32 inputs go through torch.ops.spindle's kernels (set by DecoderForCausalLM)
+    fused = False  # float32 / bfloat16 inputs go through torch.ops.spindle's kernels (set by DecoderForCausalLM)
 
     def __init__(self, size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
@@ -57,8 +57,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.unit_offset = unit_offset
 
+    def _fusable(self, x: torch.Tensor) -> bool:
+        """float32 inputs, or bf16 ones with bf16 weights (a bf16 input times a float32 weight is
+        float32 in torch: the kernel would round it)."""
+        return self.fused and (x.dtype == torch.float32 or x.dtype == torch.bfloat16 == self.weight.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and x.dtype == _FLOAT32:
+        if self._fusable(x):
             return torch.ops.spindle.rms_norm(x, self.weight, self.eps, self.unit_offset)
         return self._torch_forward(x)
 
@@ -66,7 +71,7 @@ class RMSNorm(nn.Module):
         """(residual + x, this norm of it): a residual add and the norm after it; residual None: (x, norm(x))."""
         if residual is None:
             return x, self(x)
-        if self.fused and x.dtype == _FLOAT32:
+        if self._fusable(x):
             return torch.ops.spindle.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
         residual = residual + x
         return residual, self._torch_forward(residual)
@@ -106,7 +111,7 @@ class Attention(nn.Module):
         self.k_norm = _norm(config, d) if config.qk_norm else None
         self.rope = rope
         self.backend = backend
-        self.fused_rotary = False  # float32 q/k rotate inside the backend's kernel (set by DecoderForCausalLM)
+        self.fused_rotary = False  # float32 / bf16 q/k rotate inside the backend kernel (set by DecoderForCausalLM)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor | None, meta: Any
@@ -117,7 +122,7 @@ class Attention(nn.Module):
         v = v.view(-1, s.num_kv_heads, s.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.fused_rotary and kv_cache is not None and q.dtype == _FLOAT32:
+        if self.fused_rotary and kv_cache is not None and q.dtype in _KERNEL_DTYPES:
             out = self.backend.forward_rotary(  # type: ignore[attr-defined]
                 s, q, k, v, kv_cache, meta, positions.contiguous(), self.rope.cos, self.rope.sin
             )
@@ -135,11 +140,11 @@ class MLP(nn.Module):
         self.down_proj = FastLinear(self.intermediate, config.hidden_size, bias=config.mlp_bias)
         self.act = _ACTIVATIONS[config.hidden_act]
         self.act_code = ACTIVATION_CODES[config.hidden_act]
-        self.fused = False  # float32 act(gate) * up in one kernel pass (set by DecoderForCausalLM)
+        self.fused = False  # float32 / bfloat16 act(gate) * up in one kernel pass (set by DecoderForCausalLM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.fused and gate_up.dtype == _FLOAT32:
+        if self.fused and gate_up.dtype in _KERNEL_DTYPES:
             return self.down_proj(torch.ops.spindle.act_and_mul(gate_up, self.act_code))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(self.act(gate) * up)

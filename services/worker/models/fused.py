@@ -32,10 +32,12 @@ End to end, off vs on in one run (`python -m benchmarks.run --models medium --co
 output tokens/s: 25.5 -> 29.7 at 1 stream (ITL p50 32.7 -> 27.7 ms), 80.6 -> 89.2 at 16
 (94.5 -> 82.4 ms), 93.3 -> 97.9 at 64 (259 -> 246 ms): +16 %, +11 %, +5 %.
 
-They run for float32 activations on the CPU (weights may be bf16: activations stay float32),
-wherever the kernels build and load; `SPINDLE_DISABLE_FUSED_KERNELS=1` keeps torch's ops for
-side-by-side benchmarks. RoPE and SiLU round exactly as torch does; the RMSNorm's mean of
-squares is summed in another order (last-bit differences), as the linear kernel's sums are.
+They run for float32 activations on the CPU (weights may be bf16: activations stay float32)
+and for bfloat16 ones (`--dtype bfloat16`: widened, computed in fp32 and rounded to bf16 at
+each point where torch's separate bf16 ops round), wherever the kernels build and load;
+`SPINDLE_DISABLE_FUSED_KERNELS=1` keeps torch's ops for side-by-side benchmarks. RoPE and SiLU
+round exactly as torch does; the RMSNorm's mean of squares is summed in another order (last-bit
+differences), as the linear kernel's sums are.
 """
 
 from __future__ import annotations

@@ -81,7 +81,6 @@ def load_model(
         logger.info("linear weights stored as %s: %.1f MiB", weight_dtype, linear_bytes / 2**20)
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         calibrate(model, dtype)  # which linear layers run few-row inputs through spindle's kernel
-    if device.type == "cpu" and dtype == torch.float32:
         for module in model.modules():
             if isinstance(module, DecoderForCausalLM):
                 module.build_native_stack()  # needs the calibration's row counts

@@ -67,7 +67,7 @@ class NativeStack:
         """Whether this forward pass can run here (else the caller takes the Python path)."""
         return (
             0 < hidden.shape[0] <= self.max_rows
-            and hidden.dtype == torch.float32
+            and hidden.dtype == self.weights[0].dtype  # the model's activations (its norms' dtype)
             and kv_caches is not None
             and isinstance(meta, PagedMetadata)
         )

@@ -12,8 +12,8 @@
 // Covered (models/native_stack.py checks before it calls): pre-norm Llama-style layers with a
 // fused qkv and gate_up projection (optional biases), RMSNorm with or without Gemma's unit
 // offset, SiLU or tanh-GELU gating, GQA, per-layer sliding windows, logit soft-capping, fp32
-// activations with fp32 or bf16 weights, rows few enough that every linear layer runs the
-// small-M kernel.
+// activations with fp32 or bf16 weights or bf16 activations with bf16 weights, rows few enough
+// that every linear layer runs the small-M kernel.
 //
 // weights: per layer (input norm, qkv, o, post-attention norm, gate_up, down), then the final
 // norm; biases: per layer (qkv, o, gate_up, down), None where the layer has none.
@@ -44,7 +44,8 @@ at::Tensor decoder_stack(const at::Tensor& hidden, const std::vector<at::Tensor>
                   static_cast<int64_t>(windows.size()) == layers,
               "decoder_stack: ", kWeightsPerLayer, " weights and ", kBiasesPerLayer,
               " biases per layer (plus the final norm's weight) and one window per KV cache");
-  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat, "decoder_stack: hidden must be float32 [rows, hidden]");
+  TORCH_CHECK(hidden.dim() == 2 && (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
+              "decoder_stack: hidden must be float32 or bfloat16 [rows, hidden]");
   const int64_t rows = hidden.size(0);
   at::Tensor delta = hidden;
   at::Tensor residual;

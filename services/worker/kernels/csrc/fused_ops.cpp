@@ -7,7 +7,9 @@
 // and a pass over memory. At decode sizes (1-64 rows) that overhead, not arithmetic, is their
 // cost. Which of them the decoder uses was chosen by measurement (models/fused_ops.py).
 //
-// Numerics follow Hugging Face's float32 code, rounding where it rounds: products are not
+// Activations may be float32 or bfloat16 (a --dtype bfloat16 model): bf16 values are widened,
+// computed in fp32 and rounded to bf16 wherever torch's separate bf16 ops round (`rounded`).
+// Numerics follow Hugging Face's code, rounding where it rounds: products are not
 // contracted into FMAs (the pragma below; torch rounds each op's result), so rotary and the
 // activations round like torch's separate ops. The RMSNorm's mean of squares is summed in a
 // different order than torch's reduction, so it may differ in the last bit.
@@ -33,6 +35,8 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
+#include <vector>
 
 #if defined(__AVX2__) && __has_include(<sleef.h>)
 #include <immintrin.h>
@@ -52,6 +56,21 @@ void rope_row(const float* x, const float* cos, const float* sin, float* out, in
   for (int64_t d = rotary_dim; d < head_dim; ++d) out[d] = x[d] * scale;
 }
 
+void rope_row(const c10::BFloat16* x, const float* cos, const float* sin, float* out, int64_t rotary_dim,
+              int64_t head_dim, float scale) {
+  using T = c10::BFloat16;
+  const int64_t half = rotary_dim / 2;
+  for (int64_t d = 0; d < half; ++d) {
+    const float c = rounded<T>(cos[d]), s = rounded<T>(sin[d]);
+    out[d] = rounded<T>(rounded<T>(to_float(x[d]) * c) - rounded<T>(to_float(x[d + half]) * s)) * scale;
+  }
+  for (int64_t d = half; d < rotary_dim; ++d) {
+    const float c = rounded<T>(cos[d]), s = rounded<T>(sin[d]);
+    out[d] = rounded<T>(rounded<T>(to_float(x[d]) * c) + rounded<T>(to_float(x[d - half]) * s)) * scale;
+  }
+  for (int64_t d = rotary_dim; d < head_dim; ++d) out[d] = to_float(x[d]) * scale;
+}
+
 namespace {
 
 constexpr int64_t kGrainElements = 32768;  // elements per thread below which a call stays on one thread (torch's)
@@ -66,61 +85,89 @@ void for_rows(int64_t rows, int64_t n, const F& body) {
   });
 }
 
-// out = RMSNorm(s) as HF computes it in float32: s * rsqrt(mean(s^2) + eps), then w * that,
-// or that * (1 + w) for Gemma's unit-offset weights.
-template <typename W>
-void norm_row(const float* s, float* out, const W* w, int64_t n, float eps, bool unit_offset) {
+// p[0, n) as fp32: itself for float rows, else widened into `buf`.
+template <typename T>
+const float* as_float(const T* p, std::vector<float>& buf, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return p;
+  } else {
+    buf.resize(n);
+    widen_row(p, buf.data(), n);
+    return buf.data();
+  }
+}
+
+// out = RMSNorm(s) as HF computes it: in float32, s * rsqrt(mean(s^2) + eps), then w * that
+// (for bf16 activations: that rounded to bf16 first, then the product rounded, as torch does),
+// or that * (1 + w) rounded once for Gemma's unit-offset weights.
+template <typename W, typename T>
+void norm_row(const float* s, T* out, const W* w, int64_t n, float eps, bool unit_offset) {
   float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
   for (int64_t i = 0; i < n; ++i) squares += s[i] * s[i];
   const float inv = 1.0f / std::sqrt(squares / static_cast<float>(n) + eps);
   if (unit_offset) {
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) out[i] = (s[i] * inv) * (1.0f + to_float(w[i]));
+    for (int64_t i = 0; i < n; ++i) out[i] = from_float<T>((s[i] * inv) * (1.0f + to_float(w[i])));
   } else {
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) out[i] = to_float(w[i]) * (s[i] * inv);
+    for (int64_t i = 0; i < n; ++i) out[i] = from_float<T>(to_float(w[i]) * rounded<T>(s[i] * inv));
   }
 }
 
-// residual_out = x + residual (when given), out = RMSNorm(residual_out); x [rows, n] float32.
-template <typename W>
+// residual_out = x + residual (when given; rounded to T), out = RMSNorm(residual_out); x [rows, n] of T.
+template <typename W, typename T>
 void run_norm(const at::Tensor& x, const at::Tensor* residual, at::Tensor* residual_out, const at::Tensor& weight,
               at::Tensor& out, double eps, bool unit_offset) {
   const int64_t n = x.size(1), rows = x.size(0);
-  const float* xp = x.data_ptr<float>();
-  const float* rp = residual ? residual->data_ptr<float>() : nullptr;
-  float* sp = residual_out ? residual_out->data_ptr<float>() : nullptr;
+  const T* xp = x.data_ptr<T>();
+  const T* rp = residual ? residual->data_ptr<T>() : nullptr;
+  T* sp = residual_out ? residual_out->data_ptr<T>() : nullptr;
   const W* w = weight.data_ptr<W>();
-  float* op = out.data_ptr<float>();
+  T* op = out.data_ptr<T>();
   const float e = static_cast<float>(eps);
   for_rows(rows, n, [&](int64_t r) {
-    const float* s = xp + r * n;
+    std::vector<float> wide;
+    const T* s = xp + r * n;
     if (rp != nullptr) {
-      float* dst = sp + r * n;
-      const float* a = rp + r * n;
+      T* dst = sp + r * n;
+      const T* a = rp + r * n;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) dst[i] = a[i] + s[i];
+      for (int64_t i = 0; i < n; ++i) dst[i] = from_float<T>(to_float(a[i]) + to_float(s[i]));
       s = dst;
     }
-    norm_row(s, op + r * n, w, n, e, unit_offset);
+    norm_row(as_float(s, wide, n), op + r * n, w, n, e, unit_offset);
   });
 }
 
+// Activations a kernel here takes: float32, or bfloat16 (a --dtype bfloat16 model).
 at::Tensor rows_of(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), what, ": expected a float32 CPU tensor");
+  TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) && t.device().is_cpu(), what,
+              ": expected a float32 or bfloat16 CPU tensor");
   return t.reshape({-1, t.size(-1)}).contiguous();
+}
+
+template <typename T>
+void norm_for_weight(const at::Tensor& x, const at::Tensor* residual, at::Tensor* residual_out,
+                     const at::Tensor& weight, at::Tensor& out, double eps, bool unit_offset) {
+  if (weight.scalar_type() == at::kFloat) {
+    run_norm<float, T>(x, residual, residual_out, weight, out, eps, unit_offset);
+  } else {
+    TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "rms_norm: weight must be float32 or bfloat16");
+    run_norm<c10::BFloat16, T>(x, residual, residual_out, weight, out, eps, unit_offset);
+  }
 }
 
 void norm_dispatch(const at::Tensor& x, const at::Tensor* residual, at::Tensor* residual_out,
                    const at::Tensor& weight, at::Tensor& out, double eps, bool unit_offset) {
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
               "rms_norm: weight must be a contiguous [hidden] tensor");
-  if (weight.scalar_type() == at::kFloat) {
-    run_norm<float>(x, residual, residual_out, weight, out, eps, unit_offset);
+  TORCH_CHECK(residual == nullptr || residual->scalar_type() == x.scalar_type(),
+              "add_rms_norm: x and residual must have one dtype");
+  if (x.scalar_type() == at::kFloat) {
+    norm_for_weight<float>(x, residual, residual_out, weight, out, eps, unit_offset);
   } else {
-    TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "rms_norm: weight must be float32 or bfloat16");
-    run_norm<c10::BFloat16>(x, residual, residual_out, weight, out, eps, unit_offset);
+    norm_for_weight<c10::BFloat16>(x, residual, residual_out, weight, out, eps, unit_offset);
   }
 }
 
@@ -169,9 +216,31 @@ void act_mul_row(const float* gate, const float* up, float* out, int64_t n, int6
   for (; i < n; ++i) out[i] = act_mul1(gate[i], up[i], act);
 }
 
+// One row of act_and_mul on T: float as above; bf16 widened, act(gate) rounded, then the
+// product rounded (torch's F.silu(gate) * up on bf16 tensors rounds after each op).
+template <typename T>
+void act_mul_row_of(const T* gate, const T* up, T* out, int64_t n, int64_t act) {
+  if constexpr (std::is_same_v<T, float>) {
+    act_mul_row(gate, up, out, n, act);
+  } else {
+    std::vector<float> g(n), ones(n, 1.0f), a(n);  // act(g) * 1: the same code, the product exact
+    widen_row(gate, g.data(), n);
+    act_mul_row(g.data(), ones.data(), a.data(), n, act);
+    for (int64_t i = 0; i < n; ++i) out[i] = from_float<T>(rounded<T>(a[i]) * to_float(up[i]));
+  }
+}
+
+template <typename T>
+void run_act_and_mul(const at::Tensor& gate_up, at::Tensor& out, int64_t activation) {
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  const T* in = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  for_rows(rows, n, [&](int64_t r) { act_mul_row_of(in + r * 2 * n, in + r * 2 * n + n, op + r * n, n, activation); });
+}
+
 }  // namespace
 
-// h = RMSNorm(x) for x [..., hidden] float32.
+// h = RMSNorm(x) for x [..., hidden] float32 or bfloat16.
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps, bool unit_offset) {
   const at::Tensor x = rows_of(x_in, "rms_norm");
   at::Tensor out = at::empty(x.sizes(), x.options());
@@ -199,9 +268,11 @@ at::Tensor act_and_mul(const at::Tensor& gate_up_in, int64_t activation) {
   std::vector<int64_t> shape(gate_up_in.sizes().begin(), gate_up_in.sizes().end());
   shape.back() = n;
   at::Tensor out = at::empty({rows, n}, gate_up.options());
-  const float* in = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  for_rows(rows, n, [&](int64_t r) { act_mul_row(in + r * 2 * n, in + r * 2 * n + n, op + r * n, n, activation); });
+  if (gate_up.scalar_type() == at::kFloat) {
+    run_act_and_mul<float>(gate_up, out, activation);
+  } else {
+    run_act_and_mul<c10::BFloat16>(gate_up, out, activation);
+  }
   return out.view(shape);
 }
 

@@ -49,7 +49,7 @@
 // Rotary embedding (optional: positions, cos and sin given): queries are rotated as they are
 // loaded into the item's fp32 buffer and keys as they are written to the cache, so the decoder
 // skips torch's rotary ops (models/rope.py) and the rotated q and k never exist as tensors.
-// fp32 queries only; the rotation rounds as torch's does (fused_ops.cpp).
+// fp32 or bf16 queries; the rotation rounds as torch's does (fused_ops.cpp).
 //
 // Build: compiled on the machine that runs it (-O3 -march=native, see kernels/build.py), so
 // the loops below are written for the compiler's vectoriser: fixed-stride inner loops over
@@ -84,10 +84,9 @@
 namespace spindle {
 namespace {
 
-template <typename T>
-inline T from_float(float x) {
-  return static_cast<T>(x);  // c10's conversions round to nearest even
-}
+// Query dtypes the fused rotary takes (rope_args refuses the others).
+template <typename q_t>
+constexpr bool kRotates = std::is_same_v<q_t, float> || std::is_same_v<q_t, c10::BFloat16>;
 
 // Asks for the cache line at p. Not __builtin_prefetch: GCC 12 deletes a loop whose body is only
 // that builtin (measured: no prefetch instruction left in the binary at -O1 and above).
@@ -151,7 +150,7 @@ class ItemKernel {
       const int64_t token = query_start_loc_[row] + q_begin + i;
       const q_t* src = query_ + token * s_.q_stride + kh_begin * G * D;
       float* dst = q_.data() + i * heads * D;
-      if constexpr (std::is_same_v<q_t, float>) {
+      if constexpr (kRotates<q_t>) {
         if (rope_.cos != nullptr) {
           for (int64_t h = 0; h < heads; ++h)
             rope_row(src + h * D, rope_.cos_row(token), rope_.sin_row(token), dst + h * D, rope_.rotary_dim, D,
@@ -397,17 +396,22 @@ void write_kv(const Shape& s, const at::Tensor& key, const at::Tensor& value, kv
       if (slots[t] < 0) continue;  // padding token: nothing to store
       kv_t* slot = cache + slots[t] / s.block_size * s.block_stride + slots[t] % s.block_size * s.token_stride;
       const q_t* src = k + t * ks;
-      if constexpr (std::is_same_v<q_t, float>) {  // rope_args allows rotation for fp32 only
+      const float* rotated_src = nullptr;  // the rotated key (exact in fp32: bf16 keys round inside rope_row)
+      if constexpr (kRotates<q_t>) {
         if (rope.cos != nullptr) {
           for (int64_t e = 0; e < tok; e += D)
             rope_row(src + e, rope.cos_row(t), rope.sin_row(t), rotated.data() + e, rope.rotary_dim, D, 1.0f);
-          src = rotated.data();
+          rotated_src = rotated.data();
         }
       }
       for (int64_t h = 0; h < key.size(1); ++h) {  // a head-major cache keeps a token's heads apart
         kv_t* dk = slot + h * s.head_stride;
         kv_t* dv = dk + s.kv_stride;
-        for (int64_t e = 0; e < D; ++e) dk[e] = from_float<kv_t>(to_float(src[h * D + e]));
+        if (rotated_src != nullptr) {
+          for (int64_t e = 0; e < D; ++e) dk[e] = from_float<kv_t>(rotated_src[h * D + e]);
+        } else {
+          for (int64_t e = 0; e < D; ++e) dk[e] = from_float<kv_t>(to_float(src[h * D + e]));
+        }
         for (int64_t e = 0; e < D; ++e) dv[e] = from_float<kv_t>(to_float(v[t * vs + h * D + e]));
       }
     }
@@ -480,7 +484,8 @@ Rope rope_args(const c10::optional<at::Tensor>& positions, const c10::optional<a
   TORCH_CHECK(given == (cos.has_value() && cos->defined()) && given == (sin.has_value() && sin->defined()),
               "paged_attention: positions, cos and sin come together");
   if (!given) return {};
-  TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_attention: rotary embedding needs float32 queries");
+  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
+              "paged_attention: rotary embedding needs float32 or bfloat16 queries");
   TORCH_CHECK(positions->scalar_type() == at::kLong && positions->is_contiguous() && positions->dim() == 1 &&
                   positions->size(0) == query.size(0),
               "paged_attention: positions must be contiguous int64 [num_tokens]");

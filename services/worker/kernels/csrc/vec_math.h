@@ -29,6 +29,22 @@ inline float to_float(c10::BFloat16 x) {
 }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
+template <typename T>
+inline T from_float(float x) {
+  return static_cast<T>(x);  // c10's conversions round to nearest even
+}
+
+// x rounded to T and back: where torch rounds a T op's result (T = float: x itself). Kernels on
+// bf16 activations compute in fp32 and round at the points torch's separate bf16 ops do.
+template <typename T>
+inline float rounded(float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    return to_float(from_float<T>(x));
+  }
+}
+
 // dst[0, n) <- src[0, n) widened to fp32 (exact), 8 at a time by hand: bf16 by a shift with
 // AVX2; float16 with F16C's vcvtph2ps, since c10::Half's conversion is bit manipulation GCC
 // does not vectorise (a float16 KV cache read 2.3x slower than a bf16 one at 64 rows x 192
