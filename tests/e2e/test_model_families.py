@@ -25,7 +25,7 @@ from services.worker.models.loader import parse_config, read_hf_config
 from shared.tiny_families import build_family
 from tests.e2e.oracle import greedy_tokens
 from tests.e2e.server import spindle_serve
-from tests.e2e.test_generate_matches_transformers import run_both_apis
+from tests.e2e.test_generate_matches_transformers import assert_equal_up_to_bf16_near_ties, run_both_apis
 
 pytestmark = pytest.mark.e2e
 
@@ -58,3 +58,19 @@ def test_family_greedy_matches_transformers(family_dirs: dict[str, Path], family
     for want, (text, finish) in zip(expected, http_results, strict=True):
         assert text == tokenizer.decode(want, skip_special_tokens=True)
         assert finish == ("stop" if want[-1] in eos else "length")
+
+
+@pytest.mark.parametrize("family", ["gemma2", "qwen3"])
+def test_family_in_bf16_follows_transformers_in_bf16(family_dirs: dict[str, Path], family: str) -> None:
+    """--dtype bfloat16 through the fused bf16 kernels where these families differ from Llama:
+    Gemma 2's unit-offset norms, tanh-GELU and logit soft-capping, Qwen3's per-head q/k norms.
+    Up to bf16 near-ties (test_generate_matches_transformers.py says why)."""
+    import torch
+
+    model_dir = family_dirs[family]
+    rng = random.Random(f"{family}-bf16")
+    jobs = [([rng.randrange(4, 512) for _ in range(n)], max_tokens) for n, max_tokens in SHAPES * 2]
+    expected = [greedy_tokens(model_dir, p, n, dtype=torch.bfloat16) for p, n in jobs]
+    with spindle_serve(model_dir, "--dtype", "bfloat16") as server:
+        grpc_results, _ = asyncio.run(run_both_apis(server, jobs))
+    assert_equal_up_to_bf16_near_ties(model_dir, jobs, expected, [r.token_ids for r in grpc_results])
