@@ -192,6 +192,27 @@ inline __m256 act_mul8(__m256 g, __m256 u, int64_t act) {
 }
 #endif
 
+#if defined(SPINDLE_HAVE_SLEEF_AVX2) && defined(__AVX512F__)
+// act_mul8 on 16 lanes, where the CPU has AVX-512 (as torch's own kernels there: at 64 rows x
+// 2,816 on an AMD Zen 5 the 8-lane form took 43.5 us against torch's 33.6). SLEEF's 16-lane
+// functions compute each lane as its 8-lane ones do, so the results are the same.
+inline __m512 act_mul16(__m512 g, __m512 u, int64_t act) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  if (act == kSilu) {
+    const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), g);
+    return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, Sleef_expf16_u10(neg))), u);
+  }
+  const __m512 beta = _mm512_set1_ps(static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5));
+  const __m512 kappa = _mm512_set1_ps(0.044715f);
+  const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+  const __m512 inner = _mm512_mul_ps(beta, _mm512_add_ps(g, _mm512_mul_ps(kappa, cube)));
+  const __m512 gelu =
+      _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, Sleef_tanhf16_u10(inner)));
+  return _mm512_mul_ps(gelu, u);
+}
+#define SPINDLE_HAVE_SLEEF_AVX512 1
+#endif
+
 // Scalar form: the fallback where SLEEF or AVX2 is missing.
 inline float act_mul1(float g, float u, int64_t act) {
   if (act == kSilu) return g / (1.0f + std::exp(-g)) * u;
@@ -202,6 +223,10 @@ inline float act_mul1(float g, float u, int64_t act) {
 
 void act_mul_row(const float* gate, const float* up, float* out, int64_t n, int64_t act) {
   int64_t i = 0;
+#ifdef SPINDLE_HAVE_SLEEF_AVX512
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, act_mul16(_mm512_loadu_ps(gate + i), _mm512_loadu_ps(up + i), act));
+#endif
 #ifdef SPINDLE_HAVE_SLEEF_AVX2
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, act_mul8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i), act));
   if (i < n) {  // the tail through the same vector code, so every element rounds alike
@@ -218,15 +243,42 @@ void act_mul_row(const float* gate, const float* up, float* out, int64_t n, int6
 
 // One row of act_and_mul on T: float as above; bf16 widened, act(gate) rounded, then the
 // product rounded (torch's F.silu(gate) * up on bf16 tensors rounds after each op).
+#ifdef SPINDLE_HAVE_SLEEF_AVX512
+// 16 bf16 values widened to fp32 (exact).
+inline __m512 widen16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// 16 fp32 lanes as bf16 bits, rounded to nearest even, NaN to 0x7FC0: c10::BFloat16's rounding.
+inline __m256i narrow16(__m512 x) {
+  __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(bits);
+}
+#endif
+
 template <typename T>
 void act_mul_row_of(const T* gate, const T* up, T* out, int64_t n, int64_t act) {
   if constexpr (std::is_same_v<T, float>) {
     act_mul_row(gate, up, out, n, act);
   } else {
-    std::vector<float> g(n), ones(n, 1.0f), a(n);  // act(g) * 1: the same code, the product exact
-    widen_row(gate, g.data(), n);
-    act_mul_row(g.data(), ones.data(), a.data(), n, act);
-    for (int64_t i = 0; i < n; ++i) out[i] = from_float<T>(rounded<T>(a[i]) * to_float(up[i]));
+    int64_t i = 0;
+#ifdef SPINDLE_HAVE_SLEEF_AVX512
+    for (; i + 16 <= n; i += 16) {  // the loop below, 16 lanes at a time
+      const __m512 a = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow16(act_mul16(widen16(gate + i), _mm512_set1_ps(1.0f), act))),
+                            16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), narrow16(_mm512_mul_ps(a, widen16(up + i))));
+    }
+#endif
+    const int64_t rest = n - i;
+    std::vector<float> g(rest), ones(rest, 1.0f), a(rest);  // act(g) * 1: the same code, the product exact
+    widen_row(gate + i, g.data(), rest);
+    act_mul_row(g.data(), ones.data(), a.data(), rest, act);
+    for (int64_t j = 0; j < rest; ++j) out[i + j] = from_float<T>(rounded<T>(a[j]) * to_float(up[i + j]));
   }
 }
 
