@@ -21,7 +21,7 @@ from services.worker.models.base import SpindleModel
 from services.worker.models.config import DecoderConfig
 from services.worker.models.decoder import DecoderForCausalLM
 from services.worker.models.encoder_config import EncoderConfig
-from services.worker.models.fast_linear import calibrate, store_weights_as
+from services.worker.models.fast_linear import ACTIVATION_DTYPES, calibrate, store_weights_as
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def load_model(
     if weight_dtype is not None and weight_dtype != dtype:
         linear_bytes = store_weights_as(model, weight_dtype)
         logger.info("linear weights stored as %s: %.1f MiB", weight_dtype, linear_bytes / 2**20)
-    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+    if device.type == "cpu" and dtype in ACTIVATION_DTYPES:
         calibrate(model, dtype)  # which linear layers run few-row inputs through spindle's kernel
         for module in model.modules():
             if isinstance(module, DecoderForCausalLM):

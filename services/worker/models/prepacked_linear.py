@@ -34,7 +34,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 PACK_ROWS_HINT = 2048  # rows oneDNN tunes the layout for (the default round budget); any row count runs
-PACKABLE_DTYPES = (torch.float32, torch.bfloat16)  # weights a float32 packed copy can stand in for
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)  # weights, and activations, a packed copy serves
 
 
 def _reorder(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -244,10 +244,10 @@ void act_mul_row(const float* gate, const float* up, float* out, int64_t n, int6
 // One row of act_and_mul on T: float as above; bf16 widened, act(gate) rounded, then the
 // product rounded (torch's F.silu(gate) * up on bf16 tensors rounds after each op).
 #ifdef SPINDLE_HAVE_SLEEF_AVX512
-// 16 bf16 values widened to fp32 (exact).
+// 16 bf16 values (their bits) widened to fp32 (exact).
+inline __m512 widen16(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
 inline __m512 widen16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // 16 fp32 lanes as bf16 bits, rounded to nearest even, NaN to 0x7FC0: c10::BFloat16's rounding.
@@ -268,9 +268,7 @@ void act_mul_row_of(const T* gate, const T* up, T* out, int64_t n, int64_t act) 
     int64_t i = 0;
 #ifdef SPINDLE_HAVE_SLEEF_AVX512
     for (; i + 16 <= n; i += 16) {  // the loop below, 16 lanes at a time
-      const __m512 a = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow16(act_mul16(widen16(gate + i), _mm512_set1_ps(1.0f), act))),
-                            16));
+      const __m512 a = widen16(narrow16(act_mul16(widen16(gate + i), _mm512_set1_ps(1.0f), act)));  // rounded
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), narrow16(_mm512_mul_ps(a, widen16(up + i))));
     }
 #endif
