@@ -3,8 +3,11 @@
 Issue 14, point 6. Three parts, each server fresh per timed run and driven by the same load
 client (benchmarks/load_client.py):
 
-- the machine's limits, measured first (benchmarks/machine_limits.py): peak fp32 GEMM FLOP/s and
-  memory read bandwidth, so every fraction is taken against this run's machine;
+- the machine's limits (benchmarks/machine_limits.py): peak fp32 GEMM FLOP/s and memory read
+  bandwidth, measured again just before every timed run, whose fractions are taken against that
+  measurement: on a shared cloud host they move while the run goes on (a 2-core AMD EPYC read
+  memory at 79-81 GB/s and, ten minutes later, at 45-50 GB/s, its GEMM peak steady), so one
+  figure taken at the start would misstate the cells run later;
 - the table: models x weight dtypes x streams, 128 prompt + 128 output tokens, greedy; each
   cell's servers back to back, and with `--rounds N` the whole table N times over, so that a slow
   minute of the shared host (+-15 % seen) lands on one round of every server rather than on one
@@ -42,7 +45,7 @@ import math
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
 from benchmarks.limit import machine_cores
@@ -273,14 +276,22 @@ def run_job(job: PeerJob, settings: PeerBenchSettings, limits: MachineLimits, st
         return _row(job, limits, run, cpu_ms_per_token=cpu)
 
 
-def run_all(settings: PeerBenchSettings, stem: str) -> tuple[MachineLimits, list[PeerRow]]:
-    """Measure the machine, then every planned job in order, logging progress."""
+def measure_limits(num_threads: int) -> MachineLimits:
+    """The machine's limits now (a few seconds), logged."""
     from benchmarks.machine_limits import measure
 
-    limits = measure(settings.num_threads)
+    limits = measure(num_threads)
     logger.info("machine: peak fp32 GEMM %.1f GFLOP/s, memory reads %.1f GB/s, peak bf16 GEMM %s",
                 limits.gemm_flops / 1e9, limits.read_bandwidth / 1e9,
                 f"{limits.bf16_gemm_flops / 1e9:.1f} GFLOP/s" if limits.bf16_gemm_flops else "(no bf16 math)")
+    return limits
+
+
+def run_all(settings: PeerBenchSettings, stem: str,
+            measure: Callable[[int], MachineLimits] = measure_limits) -> tuple[MachineLimits, list[PeerRow]]:
+    """Every planned job in order, each after a fresh measurement of the machine (module
+    docstring), logging progress; the first measurement is returned as the run's."""
+    first = measure(settings.num_threads)
     has_weight_dtype = spindle_takes(WEIGHT_DTYPE_FLAG)
     logger.info("spindle serve %s %s; its bf16 cells run %s bfloat16", "takes" if has_weight_dtype else
                 "does not take (yet)", WEIGHT_DTYPE_FLAG, bf16_flag())
@@ -291,6 +302,7 @@ def run_all(settings: PeerBenchSettings, stem: str) -> tuple[MachineLimits, list
         logger.info("[%d/%d] %s round %d %s %s %s streams=%d prompt=%d output=%d (%.0f s elapsed)", i, len(jobs),
                     job.part, job.round, job.server, job.model, job.dtype, job.concurrency, job.prompt_len,
                     job.output_len, time.monotonic() - start)
+        limits = first if i == 1 else measure(settings.num_threads)
         try:
             row = run_job(job, settings, limits, stem, has_weight_dtype)
         except TimeoutError:
@@ -308,7 +320,7 @@ def run_all(settings: PeerBenchSettings, stem: str) -> tuple[MachineLimits, list
             logger.info("    worker step, ms per phase: %s",
                         ", ".join(f"{phase} {ms:.2f}" for phase, ms in row.step_phases_ms.items()))
         rows.append(row)
-    return limits, rows
+    return first, rows
 
 
 def _csv(kind: type = str):  # type: ignore[no-untyped-def]

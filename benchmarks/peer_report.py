@@ -327,11 +327,24 @@ def format_cpu_table(rows: Sequence[PeerRow]) -> str:
 
 
 def format_limits(rows: Sequence[PeerRow]) -> str:
-    """The machine limits each run measured (one line per distinct measurement)."""
-    seen = dict.fromkeys(r.limits for r in rows)
-    return "".join(f"- peak fp32 GEMM {lim.gemm_flops / 1e9:.1f} GFLOP/s, memory reads {lim.read_bandwidth / 1e9:.1f} "
-                   "GB/s" + (f", peak bf16 GEMM {lim.bf16_gemm_flops / 1e9:.1f} GFLOP/s (bf16 cells' FLOP/s fraction)"
-                             if lim.bf16_gemm_flops else "") + "\n" for lim in seen)
+    """The machine limits measured before the timed runs: the value, or the range over the
+    measurements (peer_bench measures again before every run; each row's fractions use its own)."""
+    seen = list(dict.fromkeys(r.limits for r in rows))
+    if not seen:
+        return ""
+
+    def span(values: list[float], unit: str) -> str:
+        low, high = min(values) / 1e9, max(values) / 1e9
+        return f"{low:.1f} {unit}" if f"{low:.1f}" == f"{high:.1f}" else f"{low:.1f}-{high:.1f} {unit}"
+
+    bf16 = [lim.bf16_gemm_flops for lim in seen if lim.bf16_gemm_flops]
+    line = (f"- peak fp32 GEMM {span([lim.gemm_flops for lim in seen], 'GFLOP/s')}, memory reads "
+            f"{span([lim.read_bandwidth for lim in seen], 'GB/s')}"
+            + (f", peak bf16 GEMM {span(bf16, 'GFLOP/s')} (bf16 cells' FLOP/s fraction)" if bf16 else ""))
+    if len(seen) > 1:
+        line += (f"; {len(seen)} measurements, one before each timed run, whose fractions below are taken "
+                 "against it")
+    return line + "\n"
 
 
 def format_report(rows: Sequence[PeerRow]) -> str:

@@ -155,3 +155,24 @@ def test_rounds_repeat_the_table_interleaved_and_the_sweep_once() -> None:
     assert [j.round for j in jobs if j.part == SWEEP] == [1]
     with pytest.raises(ValueError, match="rounds"):
         PeerBenchSettings(rounds=0)
+
+
+def test_every_timed_run_gets_the_limits_measured_just_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shared host's memory bandwidth moves during a long run: each row carries its own measurement."""
+    import benchmarks.peer_bench as peer_bench
+    from benchmarks.roofline import MachineLimits
+
+    measured = iter([MachineLimits(gemm_flops=300e9, read_bandwidth=bw * 1e9) for bw in (80, 60, 50, 45)])
+    seen: list[tuple[str, float]] = []
+
+    def fake_run_job(job, settings, limits, stem, has_weight_dtype):  # type: ignore[no-untyped-def]
+        seen.append((job.server, limits.read_bandwidth))
+        return peer_bench._row(job, limits, error="not run here")
+
+    monkeypatch.setattr(peer_bench, "run_job", fake_run_job)
+    monkeypatch.setattr(peer_bench, "spindle_takes", lambda flag: True)
+    settings = PeerBenchSettings(peers=(LLAMA,), parts=(TABLE,), models=("small",), dtypes=("float32",))
+    first, rows = peer_bench.run_all(settings, "stem", measure=lambda threads: next(measured))
+    assert seen == [(SPINDLE, 80e9), (LLAMA, 60e9), (SPINDLE, 50e9), (LLAMA, 45e9)]  # 1 then 64 streams
+    assert first.read_bandwidth == 80e9
+    assert [r.limits.read_bandwidth for r in rows] == [80e9, 60e9, 50e9, 45e9]

