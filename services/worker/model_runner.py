@@ -86,6 +86,8 @@ class ModelRunner:
         self.stops = StopTable(self.eos_token_ids)
         self.aborts = Aborts()
         self.grammar_state.clear()
+        # The last round's last step, which the next round's step 0 may carry on from (`_resume`).
+        self._carry: tuple[ModelInput, torch.Tensor, SamplingMetadata] | None = None
         # Vision-language models only: image features by content hash (see encoder_cache.py).
         self.encoder_cache = (
             EncoderCache(self.model, self.encoder_cache_tokens, self.device)  # type: ignore[arg-type]
@@ -103,6 +105,8 @@ class ModelRunner:
             raise InvalidArgumentError(
                 "this worker serves a generative model; it cannot run pooling requests"
             )
+        if round_.new_requests or round_.finished_request_ids:
+            self._carry = None  # a row may now hold another request: step 0 is built from scratch
         self.aborts.apply(self.states, self.stops)  # ids that arrived before this round: not yet forgotten
         self.aborts.forget(round_.finished_request_ids)
         released = self.states.remove(round_.finished_request_ids)
@@ -143,9 +147,11 @@ class ModelRunner:
         phases = self.phases
         for step in range(num_steps):
             if step == 0:
-                inputs = self.input_builder.build(rows, num_scheduled) if len(rows) else None
-                if inputs is not None and len(inputs.sample_rows):
-                    metadata = self.sampling_state.build(inputs.sample_rows)
+                inputs, metadata = self._resume(rows, num_scheduled)
+                if inputs is None:
+                    inputs = self.input_builder.build(rows, num_scheduled) if len(rows) else None
+                    if inputs is not None and len(inputs.sample_rows):
+                        metadata = self.sampling_state.build(inputs.sample_rows)
             elif inputs is not None and metadata is not None and sampled is not None:
                 self.aborts.apply(self.states, self.stops)
                 keep = samplers.narrow(step)
@@ -189,6 +195,21 @@ class ModelRunner:
             self._deliver(pending, on_step)
             phases.mark("deliver")
         self.sampling_state.record_round(samplers.rows, samplers.num_sampled)
+        computed_last = inputs is not None and metadata is not None and sampled is not None
+        self._carry = (inputs, sampled, metadata) if computed_last else None  # type: ignore[assignment]
+
+    def _resume(self, rows: np.ndarray, num_scheduled: np.ndarray) -> tuple[ModelInput | None, SamplingMetadata | None]:
+        """Step 0 of a round that carries on from the last round's last step (`ModelInputBuilder.resume`),
+        with that round's sampling metadata where nothing in it depends on the round (min_tokens
+        counts the tokens generated before the round); (None, None) when it does not carry on."""
+        carry, self._carry = self._carry, None
+        if carry is None or self.encoder_cache is not None:
+            return None, None
+        prev, sampled, metadata = carry
+        inputs = self.input_builder.resume(prev, sampled, rows, num_scheduled)
+        if inputs is None:
+            return None, None
+        return inputs, (metadata if metadata.min_tokens is None else self.sampling_state.build(inputs.sample_rows))
 
     def _start_round(self, rows: np.ndarray, num_scheduled: np.ndarray) -> tuple[RoundRows, np.ndarray, np.ndarray]:
         """The round's sampling rows, and its step-0 batch without the sampling rows that stopped

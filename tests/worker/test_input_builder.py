@@ -136,3 +136,62 @@ def test_round_may_compute_up_to_the_last_position_below_max_model_len() -> None
     )
     with pytest.raises(InvalidArgumentError, match="max_model_len 16"):
         states.add_and_extend(too_far)
+
+
+def _decoding(num_blocks: int = 1) -> tuple[RequestStates, np.ndarray, np.ndarray]:
+    """E and F decoding; each round below gives F `num_blocks - 1` more blocks."""
+    states = RequestStates(max_model_len=64, block_size=BS)
+    states.add(_new("E", [1, 2, 3], 2, [5, 9, 4]))
+    states.add(_new("F", [1, 2, 3, 4, 5, 6, 7, 8], 7, [7, 3]))  # position 7: block 3 ends there
+    rows, num_scheduled = states.add_and_extend(
+        ExecuteRound(round_id=1, new_requests=[], cached_requests=CachedRequestData(["E", "F"], [[], []]),
+                     num_scheduled_tokens=[1, 1]))
+    return states, rows, num_scheduled
+
+
+def _next_round(states: RequestStates, f_blocks: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    return states.add_and_extend(ExecuteRound(
+        round_id=2, new_requests=[], cached_requests=CachedRequestData(["E", "F"], [[], f_blocks]),
+        num_scheduled_tokens=[1, 1]))
+
+
+def test_next_rounds_step_zero_carries_on_from_the_last_step_as_build_would() -> None:
+    """`resume` gives step 0 of a decode round what `build` gives, the new block tables included."""
+    states, rows, num_scheduled = _decoding()
+    builder = ModelInputBuilder(states, PagedMetadataBuilder(BS), torch.device("cpu"))
+    last = builder.build(rows, num_scheduled)  # the previous round's only step: E at 2, F at 7
+    sampled = torch.tensor([100, 200])
+    states.append_tokens(last.sample_rows, sampled.numpy())  # what the runner's deliver records
+    rows, num_scheduled = _next_round(states, [6])  # F's position 8 needs a third block
+    resumed = builder.resume(last, sampled, rows, num_scheduled)
+    assert resumed is not None
+    computed = states.num_computed_tokens[rows].copy()
+    states.num_computed_tokens[rows] -= 1  # undo resume's bookkeeping, then build the same step
+    built = ModelInputBuilder(states, PagedMetadataBuilder(BS), torch.device("cpu")).build(rows, num_scheduled)
+    assert states.num_computed_tokens[rows].tolist() == computed.tolist() == [4, 9]
+    assert resumed.input_ids.tolist() == built.input_ids.tolist() == [100, 200]
+    assert resumed.positions.tolist() == built.positions.tolist() == [3, 8]
+    assert resumed.common.slot_mapping.tolist() == built.common.slot_mapping.tolist() == [5 * BS + 3, 6 * BS]
+    assert resumed.common.block_tables.tolist() == built.common.block_tables.tolist()
+    assert resumed.common.seq_lens.tolist() == built.common.seq_lens.tolist() == [4, 9]
+    assert resumed.common.seq_lens_host.tolist() == [4, 9] and resumed.common.max_seq_len == 9
+    assert resumed.logits_indices.tolist() == built.logits_indices.tolist()
+    assert resumed.sample_rows.tolist() == built.sample_rows.tolist()
+    assert resumed.attn_metadata.work_items.tolist() == built.attn_metadata.work_items.tolist()
+
+
+def test_step_zero_is_built_when_the_round_does_not_carry_on() -> None:
+    states, rows, num_scheduled = _decoding()
+    builder = ModelInputBuilder(states, PagedMetadataBuilder(BS), torch.device("cpu"))
+    last = builder.build(rows, num_scheduled)
+    sampled = torch.tensor([100, 200])
+    assert builder.resume(None, None, rows, num_scheduled) is None  # nothing to carry on from
+    states.append_tokens(last.sample_rows, sampled.numpy())
+    rows, num_scheduled = _next_round(states, [6])
+    states.num_computed_tokens[rows[0]] -= 1  # E recomputes a token (as after a preemption): no
+    assert builder.resume(last, sampled, rows, num_scheduled) is None
+    states.num_computed_tokens[rows[0]] += 1
+    assert builder.resume(last, sampled, rows[::-1], num_scheduled) is None  # another order
+    assert builder.resume(last, sampled, rows[:1], num_scheduled[:1]) is None  # a row left
+    assert builder.resume(last, sampled, rows, np.array([2, 1])) is None  # not one token each
+    assert builder.resume(last, sampled, rows, num_scheduled) is not None

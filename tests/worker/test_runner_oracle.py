@@ -65,6 +65,35 @@ def test_greedy_tokens_match_transformers(
     assert got == references[family]
 
 
+@pytest.mark.parametrize("backend", ["paged", "sdpa"])
+def test_rounds_carrying_on_from_the_last_match_transformers(tiny_models: dict[str, Path], backend: str) -> None:
+    """Decode rounds with the same rows as the round before start from its last step
+    (ModelInputBuilder.resume), across block boundaries (block size 4, 4 steps a round)."""
+    prompts = {name: _prompts()[name] for name in ("short", "mid")}
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32)
+    expected = {name: model.generate(torch.tensor([p]), max_new_tokens=26, do_sample=False, eos_token_id=None,
+                                     pad_token_id=3)[0, len(p):].tolist() for name, p in prompts.items()}
+    runner = make_runner(tiny_models["llama"], backend, num_blocks=64, block_size=4)
+    scheduler = ToyScheduler(runner, num_blocks=64, block_size=4, token_budget=64, num_steps=4)
+    for name, prompt in prompts.items():
+        scheduler.add(name, prompt, 26)
+    resumed = _count_resumed_rounds(runner)
+    assert scheduler.run() == expected
+    assert resumed[0] == 6  # every round after the prompts' (rounds 1-6 of 7)
+
+
+def _count_resumed_rounds(runner) -> list[int]:  # type: ignore[no-untyped-def]
+    count, resume = [0], runner.input_builder.resume
+
+    def counting(*args):  # type: ignore[no-untyped-def]
+        inputs = resume(*args)
+        count[0] += inputs is not None
+        return inputs
+
+    runner.input_builder.resume = counting
+    return count
+
+
 def test_preempted_request_resumes_with_same_tokens(tiny_models: dict[str, Path], references: dict) -> None:
     runner = make_runner(tiny_models["llama"], "sdpa", num_blocks=128)
     scheduler = ToyScheduler(runner, num_blocks=128, block_size=16, token_budget=64, num_steps=2)

@@ -55,9 +55,9 @@ class _Served:
 
 
 def _count_row_steps(runner: ModelRunner, served: _Served) -> None:
-    """Count, per request, the forward passes (step 0 chunks and decode steps) that compute it."""
+    """Count, per request, the forward passes (step 0 chunks, decode steps, resumed step 0s) that compute it."""
     builder, states = runner.input_builder, runner.states
-    build, advance = builder.build, builder.advance
+    build, advance, resume = builder.build, builder.advance, builder.resume
 
     def count(rows: np.ndarray) -> None:
         for row in rows.tolist():
@@ -75,8 +75,15 @@ def _count_row_steps(runner: ModelRunner, served: _Served) -> None:
         count(inputs.sample_rows)
         return inputs
 
+    def counting_resume(prev, sampled, rows, num_scheduled):  # type: ignore[no-untyped-def]
+        inputs = resume(prev, sampled, rows, num_scheduled)
+        if inputs is not None:
+            count(inputs.sample_rows)
+        return inputs
+
     builder.build = counting_build  # type: ignore[method-assign]
     builder.advance = counting_advance  # type: ignore[method-assign]
+    builder.resume = counting_resume  # type: ignore[method-assign]
 
 
 def _serve(
