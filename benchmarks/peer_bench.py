@@ -5,9 +5,9 @@ client (benchmarks/load_client.py):
 
 - the machine's limits (benchmarks/machine_limits.py): peak fp32 GEMM FLOP/s and memory read
   bandwidth, measured again just before every timed run, whose fractions are taken against that
-  measurement: on a shared cloud host they move while the run goes on (a 2-core AMD EPYC read
-  memory at 79-81 GB/s and, ten minutes later, at 45-50 GB/s, its GEMM peak steady), so one
-  figure taken at the start would misstate the cells run later;
+  measurement: on a shared cloud host they move while the run goes on (a 2-core AMD EPYC, in one
+  22-minute run: memory reads 45.6-83.7 GB/s, fp32 GEMM 299-503 GFLOP/s), so one figure taken
+  at the start would misstate the cells run later;
 - the table: models x weight dtypes x streams, 128 prompt + 128 output tokens, greedy; each
   cell's servers back to back, and with `--rounds N` the whole table N times over, so that a slow
   minute of the shared host (+-15 % seen) lands on one round of every server rather than on one

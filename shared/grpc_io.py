@@ -20,12 +20,13 @@ every service entry point imports first. A GRPC_EXPERIMENTS the operator set is 
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 
 ENV = "SPINDLE_GRPC_EVENT_ENGINE"
 LEGACY_POLLING_EXPERIMENTS = "-event_engine_client,-event_engine_listener"
 
 
-def configure_grpc_io(environ: dict[str, str] | os._Environ[str] = os.environ) -> str | None:
+def configure_grpc_io(environ: MutableMapping[str, str] = os.environ) -> str | None:
     """Set GRPC_EXPERIMENTS for `SPINDLE_GRPC_EVENT_ENGINE` (default 0: gRPC's epoll polling in
     its poller thread; 1: gRPC's default EventEngine); returns what it set, None if nothing."""
     if environ.get(ENV, "0") == "1" or "GRPC_EXPERIMENTS" in environ:

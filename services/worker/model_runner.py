@@ -195,8 +195,9 @@ class ModelRunner:
             self._deliver(pending, on_step)
             phases.mark("deliver")
         self.sampling_state.record_round(samplers.rows, samplers.num_sampled)
-        computed_last = inputs is not None and metadata is not None and sampled is not None
-        self._carry = (inputs, sampled, metadata) if computed_last else None  # type: ignore[assignment]
+        self._carry = None
+        if inputs is not None and metadata is not None and sampled is not None:  # the last step computed
+            self._carry = (inputs, sampled, metadata)
 
     def _resume(self, rows: np.ndarray, num_scheduled: np.ndarray) -> tuple[ModelInput | None, SamplingMetadata | None]:
         """Step 0 of a round that carries on from the last round's last step (`ModelInputBuilder.resume`),
