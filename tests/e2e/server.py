@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import signal
@@ -64,23 +65,45 @@ def _wait_launcher_ready(server: RunningServer, timeout_s: float) -> None:
     /health can answer 200 a moment before the launcher's probe sees it; a child killed in that
     moment counts as a start-up failure and stops everything. The launcher restarts dead children
     only once it has printed the line, so a fault test must strike after it. A thread keeps
-    draining stdout so the launcher never blocks on a full pipe.
+    draining stdout so the launcher never blocks on a full pipe; its last lines go into the
+    failure, as does which services answer, so a start-up that hangs says where.
     """
     ready = threading.Event()
+    last_lines: collections.deque[str] = collections.deque(maxlen=40)
 
     def drain(stream: IO[bytes]) -> None:
         for line in stream:
+            last_lines.append(line.decode(errors="replace").rstrip())
             if line.startswith(b"spindle is ready"):
                 ready.set()
+
+    def failure(what: str) -> AssertionError:
+        output = "\n".join(last_lines) or "(nothing)"
+        return AssertionError(f"spindle serve {what}; services: {_children(server.process.pid)}; "
+                              f"its last output:\n{output}")
 
     assert server.process.stdout is not None
     threading.Thread(target=drain, args=(server.process.stdout,), daemon=True).start()
     deadline = time.monotonic() + timeout_s
     while not ready.wait(0.1):
         if server.process.poll() is not None:
-            raise AssertionError(f"spindle serve exited early with code {server.process.returncode}")
+            raise failure(f"exited early with code {server.process.returncode}")
         if time.monotonic() > deadline:
-            raise AssertionError(f"spindle serve not ready after {timeout_s} s")
+            raise failure(f"not ready after {timeout_s} s")
+
+
+def _children(pid: int) -> str:
+    """The launcher's child processes by service module, from /proc (Linux; else "?")."""
+    try:
+        children = (Path(f"/proc/{pid}/task/{pid}/children").read_text()).split()
+        names = []
+        for child in children:
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            module = next((a.decode() for a in argv if a.startswith(b"services.")), argv[0].decode())
+            names.append(f"{module} (pid {child})")
+        return ", ".join(names) or "none running"
+    except OSError:
+        return "?"
 
 
 def _wait_healthy(server: RunningServer, timeout_s: float) -> None:
