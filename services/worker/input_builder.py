@@ -229,13 +229,13 @@ class ModelInputBuilder:
         were a fifth of the step."""
         common = prev.common
         assert common.block_tables is not None and common.slot_mapping is not None
+        tables = common.block_tables if block_tables is None else block_tables
         positions = prev.positions + 1
         seq_lens_host = common.seq_lens_host + 1
         if block_tables is None and ((seq_lens_host - 1) % self.block_size).all():
             slot_mapping = common.slot_mapping + 1  # no row starts a block: its next slot follows its last
         else:
-            block_tables = common.block_tables if block_tables is None else block_tables
-            slot_mapping = self._slots(block_tables, positions)
+            slot_mapping = self._slots(tables, positions)
         new_common = CommonAttentionMetadata(
             attn_type=AttentionType.DECODER,
             num_reqs=common.num_reqs,
@@ -246,7 +246,7 @@ class ModelInputBuilder:
             seq_lens=common.seq_lens + 1,
             query_lens_host=common.query_lens_host,
             seq_lens_host=seq_lens_host,
-            block_tables=common.block_tables if block_tables is None else block_tables,
+            block_tables=tables,
             slot_mapping=slot_mapping,
         )
         self.states.num_computed_tokens[prev.sample_rows] += 1

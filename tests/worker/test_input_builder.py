@@ -138,8 +138,8 @@ def test_round_may_compute_up_to_the_last_position_below_max_model_len() -> None
         states.add_and_extend(too_far)
 
 
-def _decoding(num_blocks: int = 1) -> tuple[RequestStates, np.ndarray, np.ndarray]:
-    """E and F decoding; each round below gives F `num_blocks - 1` more blocks."""
+def _decoding() -> tuple[RequestStates, np.ndarray, np.ndarray]:
+    """E and F decoding, one token each a round; F's next position needs a block it lacks."""
     states = RequestStates(max_model_len=64, block_size=BS)
     states.add(_new("E", [1, 2, 3], 2, [5, 9, 4]))
     states.add(_new("F", [1, 2, 3, 4, 5, 6, 7, 8], 7, [7, 3]))  # position 7: block 3 ends there
