@@ -28,7 +28,7 @@ from services.worker.encoder_cache import EncoderCache
 from services.worker.grammar_state import GrammarState
 from services.worker.input_builder import ModelInput, ModelInputBuilder
 from services.worker.models.fused import fused_kernels_error
-from services.worker.models.native_stack import decode_round_scope
+from services.worker.models.native_stack import round_scope
 from services.worker.request_states import RequestStates
 from services.worker.round_stops import Aborts, RoundRows, StopTable
 from services.worker.sampler import Sampler
@@ -119,8 +119,8 @@ class ModelRunner:
             if new.sampling.grammar is not None:
                 self.grammar_state.add(row, new.sampling.grammar, new.token_ids[new.num_prompt_tokens :])
         num_steps = max(round_.num_steps, 1)
-        # Decode rounds on the native stack split their kernels on spindle's pool (native_stack.py).
-        pool = decode_round_scope(self.model, num_scheduled) if self.encoder_cache is None else nullcontext()
+        # Rounds whose every layer runs spindle's kernels split them on spindle's pool (native_stack.py).
+        pool = round_scope(self.model, num_scheduled) if self.encoder_cache is None else nullcontext()
         with torch.inference_mode(), pool:
             if self.encoder_cache is not None:
                 self.phases.mark("prepare")

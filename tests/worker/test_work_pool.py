@@ -19,7 +19,7 @@ import torch
 from services.worker.attention import create_backend
 from services.worker.models.fast_linear import FastLinear
 from services.worker.models.loader import load_model
-from services.worker.models.native_stack import decode_round_scope, work_pool_scope
+from services.worker.models.native_stack import round_scope, work_pool_scope
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -95,7 +95,7 @@ def test_closing_a_scope_that_is_not_open_is_an_error() -> None:
         torch.ops.spindle.work_pool_exit()
 
 
-def test_only_decode_rounds_on_the_stack_open_a_scope(llama_dir: Path) -> None:
+def test_rounds_whose_every_layer_runs_the_kernels_open_a_scope(llama_dir: Path) -> None:
     model = load_model(llama_dir, create_backend("paged", 16), torch.float32, torch.device("cpu"))
     for module in model.modules():
         if isinstance(module, FastLinear):
@@ -104,11 +104,12 @@ def test_only_decode_rounds_on_the_stack_open_a_scope(llama_dir: Path) -> None:
     model.build_native_stack()
 
     def opens(num_scheduled: list[int]) -> bool:
-        return type(decode_round_scope(model, np.array(num_scheduled))).__name__ != "nullcontext"
+        return type(round_scope(model, np.array(num_scheduled))).__name__ != "nullcontext"
 
     assert opens([1]) and opens([1, 1, 1, 1])
+    assert opens([1, 3]) and opens([8]), "prefill tokens within the layers' kernel rows"
     assert not opens([1] * 5), "past the LM head's kernel rows: oneDNN's OpenMP threads would run in it"
-    assert not opens([1, 3]), "a prefill chunk runs the Python layers (oneDNN)"
+    assert not opens([1, 8]), "past the layers' kernel rows: the prefill chunk runs on oneDNN"
     assert not opens([])
     model.native_stack = None
     assert not opens([1])

@@ -26,12 +26,14 @@ FILE_NAME = "linear_calibration.json"
 
 
 def entry_key(out_features: int, in_features: int, weight_dtype: str, has_bias: bool, num_threads: int,
-              onednn: bool = False, activation_dtype: str = "float32") -> str:
-    """One measurement's key; `onednn`: the kernel was timed against oneDNN's GEMM, not torch's."""
+              onednn: bool = False, activation_dtype: str = "float32", tolerance: float = 1.0) -> str:
+    """One measurement's key; `onednn`: the kernel was timed against oneDNN's GEMM, not torch's;
+    `tolerance`: how much slower than it the kernel could be and still be chosen."""
     bias = "bias" if has_bias else "nobias"
     versus = " vs-onednn" if onednn else ""
     activations = "" if activation_dtype == "float32" else f" x-{activation_dtype}"  # float32's keys as before
-    return f"{out_features}x{in_features} {weight_dtype} {bias} threads={num_threads}{versus}{activations}"
+    within = "" if tolerance == 1.0 else f" within={tolerance:g}"  # 1.0's keys as before
+    return f"{out_features}x{in_features} {weight_dtype} {bias} threads={num_threads}{versus}{activations}{within}"
 
 
 def load(path: Path) -> dict[str, int]:

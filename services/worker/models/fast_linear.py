@@ -51,6 +51,17 @@ ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)  # what the kernel and the p
 DISABLE_ENV = "SPINDLE_DISABLE_LINEAR_KERNEL"  # 1: no kernel, the GEMM at every row count (side-by-side runs)
 DISABLE_ONEDNN_ENV = "SPINDLE_DISABLE_ONEDNN_LINEAR"  # 1: past the kernel's rows, F.linear on the plain weight
 ONEDNN_MAX_MEMORY_SHARE = 0.5  # packed copies may take at most this share of MemAvailable
+# The kernel is kept while it takes at most this multiple of the GEMM's time (TOLERANCE_ENV
+# overrides it). A round whose every layer runs the kernel goes on spindle's work pool
+# (native_stack.round_scope): with every layer forced onto it, 64 streams of the small model
+# served +13-17 % output (2-core AMD EPYC, Zen 5), though its layers alone ran 15-29 % slower
+# than oneDNN's from memory. But 1.3 let the calibration's noisy probes (this machine's memory
+# speed moves 2x within minutes) keep the kernel for some layers of a step and not others: the
+# pool never opened at 64 streams, and 128-token prefills ran the slower kernel on OpenMP (one
+# stream: -7 %, first token +2.3 ms). So the kernel must win, until the calibration times whole
+# rounds rather than layers.
+KERNEL_TOLERANCE = 1.0
+TOLERANCE_ENV = "SPINDLE_LINEAR_KERNEL_TOLERANCE"
 _REPEATS = 3
 _SAMPLE_S = 1e-3  # calls per timing sample: enough to fill this many seconds
 _COLD_BYTES = 64 << 20  # probes cycle through copies of a weight this large in all: past the caches
@@ -124,10 +135,15 @@ def _best_times(fns: tuple[Callable[[int], object], ...], copies: int) -> list[f
     return best
 
 
+def kernel_tolerance() -> float:
+    """How much slower than the GEMM the kernel may be and still be chosen (KERNEL_TOLERANCE)."""
+    return float(os.environ.get(TOLERANCE_ENV) or KERNEL_TOLERANCE)
+
+
 def kernel_max_rows(weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool = False,
                     dtype: torch.dtype = torch.float32) -> int:
-    """The largest probe row count up to which the kernel beat the GEMM (oneDNN's where `onednn`) at
-    every probe, on `dtype` activations."""
+    """The largest probe row count up to which the kernel beat the GEMM (oneDNN's where `onednn`),
+    or came within `kernel_tolerance`, at every probe, on `dtype` activations."""
     weight_bytes = weight.numel() * weight.element_size()
     weights = [weight] + [weight.clone() for _ in range(min(_MAX_COPIES, -(-_COLD_BYTES // weight_bytes)) - 1)]
     packs = [OneDnnWeight() for _ in weights] if onednn else []
@@ -140,7 +156,7 @@ def kernel_max_rows(weight: torch.Tensor, bias: torch.Tensor | None, onednn: boo
         x = torch.randn(rows, weight.shape[1], dtype=dtype)
         kernel, other = _best_times((lambda c, x=x: torch.ops.spindle.linear_small_m(x, weights[c], bias),
                                      lambda c, x=x: gemm(c, x)), len(weights))
-        if kernel >= other:
+        if kernel >= other * kernel_tolerance():
             break
         best = rows
     return best
@@ -219,7 +235,7 @@ def calibrate(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict[tupl
         if shape not in by_shape:
             onednn = layer.onednn is not None
             key = calibration_cache.entry_key(*shape, layer.bias is not None, torch.get_num_threads(), onednn,
-                                              str(dtype).removeprefix("torch."))
+                                              str(dtype).removeprefix("torch."), kernel_tolerance())
             rows = stored.get(key)
             if rows is None:
                 rows = measured[key] = kernel_max_rows(layer.weight, layer.bias, onednn, dtype)

@@ -96,8 +96,10 @@ def work_pool_scope() -> Iterator[None]:
     """The kernels called inside (on this thread) split their work on spindle's claim-and-finish
     pool instead of torch's OpenMP threads (kernels/csrc/work_pool.h): a thread that loses its
     core to the host services leaves its share to the others instead of holding every op at a
-    barrier. Only for spans where no torch op runs its own OpenMP region (a decode round on the
-    stack): OpenMP's threads spin after each region on the cores the pool's helpers need."""
+    barrier. Inside, torch's own ops run on this thread alone (OpenMP's thread count is 1 until
+    the scope closes): OpenMP's threads spin after each region on the cores the pool's helpers
+    need, and with them on, a 64-stream round's pooled kernels ran at one thread's speed. So only
+    for spans whose heavy ops are all spindle's kernels (a round on the native stack)."""
     torch.ops.spindle.work_pool_enter()
     try:
         yield
@@ -105,16 +107,19 @@ def work_pool_scope() -> Iterator[None]:
         torch.ops.spindle.work_pool_exit()
 
 
-def decode_round_scope(model: nn.Module, num_scheduled: np.ndarray) -> AbstractContextManager[None]:
-    """`work_pool_scope` for a round whose every step runs on spindle's kernels alone: one token
-    a row (decode), rows few enough for the native stack and for the LM head's small-M kernel
-    (greedy choice is a kernel too); else a scope that does nothing."""
+def round_scope(model: nn.Module, num_scheduled: np.ndarray) -> AbstractContextManager[None]:
+    """`work_pool_scope` for a round whose every step runs on spindle's kernels alone: its tokens
+    (decode rows and prefill chunks) few enough for every layer's kernel (the native stack) and
+    its rows for the LM head's (greedy choice is a kernel too); else a scope that does nothing.
+    Prefill chunks are in (kernels/csrc/linear_mid_m.h made the kernel fit tens to hundreds of
+    rows): a round left to OpenMP leaves its threads spinning on the helpers' cores for the
+    pooled rounds after it (kOpenMpSpin in work_pool.cpp)."""
     stack: NativeStack | None = getattr(model, "native_stack", None)
     lm_head = getattr(model, "lm_head", None)
     if stack is None or not isinstance(lm_head, FastLinear):
         return nullcontext()
-    rows = len(num_scheduled)
-    if not (0 < rows <= min(stack.max_rows, lm_head.kernel_max_rows) and bool((num_scheduled == 1).all())):
+    tokens, rows = int(num_scheduled.sum()), len(num_scheduled)
+    if not (0 < tokens <= stack.max_rows and rows <= lm_head.kernel_max_rows):
         return nullcontext()
     return work_pool_scope()
 

@@ -21,6 +21,7 @@
 // Which calls use it is decided by measurement at run time (models/fast_linear.py).
 
 #include "kernel_ops.h"
+#include "linear_mid_m.h"
 #include "vec_math.h"
 #include "work_pool.h"
 
@@ -42,6 +43,9 @@ namespace {
 
 constexpr int64_t kRowsPerBlock = 3;      // rows of x per register tile (see above)
 constexpr int64_t kFeaturesPerBlock = 4;  // output features per register tile
+// From this many rows on, CPUs with AVX-512 run linear_mid_m.cpp's kernel: it won at 8 rows and
+// lost at 4 at every shape of the benchmark models (2-core AMD EPYC, Zen 5; 2026-11-28).
+constexpr int64_t kMidRows = 8;
 
 #ifdef __AVX2__
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -117,6 +121,10 @@ inline float row_dot(const float* x, const W* w, int64_t K) {
 
 template <typename W>
 void run(const float* x, const W* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  if (M >= kMidRows && mid_m_available()) {
+    linear_mid_m(x, w, !std::is_same_v<W, float>, bias, y, M, N, K);
+    return;
+  }
   if (M == 1) {
     spindle::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
       for (int64_t f = begin; f < end; ++f) y[f] = row_dot(x, w + f * K, K) + (bias != nullptr ? bias[f] : 0.0f);

@@ -82,6 +82,7 @@ inline int64_t ticket_next(uint64_t t) { return static_cast<int64_t>(t & kMaxChu
 
 thread_local bool in_pool_job = false;  // a chunk calling parallel_for again runs it inline
 thread_local int scope_depth = 0;       // scopes open on this thread (work_pool_enter)
+thread_local int scope_threads = 1;     // torch's thread count when the outermost scope opened
 std::atomic<int64_t> last_openmp_ns{0};  // when these kernels last started an OpenMP region (steady clock)
 std::atomic<int> open_scopes{0};        // threads with a scope open: helpers spin only then
 
@@ -215,18 +216,25 @@ class WorkPool {
 }  // namespace
 
 void work_pool_enter() {
-  if (scope_depth++ == 0) open_scopes.fetch_add(1, std::memory_order_relaxed);
+  if (scope_depth++ == 0) {
+    open_scopes.fetch_add(1, std::memory_order_relaxed);
+    scope_threads = at::get_num_threads();
+    omp_set_num_threads(1);
+  }
 }
 
 void work_pool_exit() {
   TORCH_CHECK(scope_depth > 0, "work_pool_exit: no work pool scope is open on this thread");
-  if (--scope_depth == 0) open_scopes.fetch_sub(1, std::memory_order_relaxed);
+  if (--scope_depth == 0) {
+    open_scopes.fetch_sub(1, std::memory_order_relaxed);
+    omp_set_num_threads(scope_threads);
+  }
 }
 
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const Fn& fn) {
   const int64_t n = end - begin;
   if (n <= 0) return;
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = scope_depth > 0 ? scope_threads : at::get_num_threads();
   grain = std::max<int64_t>(grain, 1);
   const bool splits = threads > 1 && n > grain;  // at::parallel_for would start a region
   if (scope_depth == 0 || pool_disabled()) {

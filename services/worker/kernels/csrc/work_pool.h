@@ -31,6 +31,9 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function
 // helpers need, and the two took turns (a 1-stream decode of the medium model ran at one
 // thread's speed). Helpers spin for the next call only while some scope is open, and sleep
 // when the last one closes.
+// While the outermost scope is open, OpenMP's thread count on this thread is 1 (torch's ops in
+// the span run inline: no OpenMP region wakes threads that would then spin on the helpers'
+// cores) and parallel_for uses the count from before the scope.
 void work_pool_enter();
 void work_pool_exit();
 

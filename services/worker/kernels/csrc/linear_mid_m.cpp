@@ -1,0 +1,155 @@
+// The AVX-512 kernel for batched decode steps' linear layers (why and how: linear_mid_m.h).
+
+#include "linear_mid_m.h"
+
+#include "vec_math.h"
+#include "work_pool.h"
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace spindle {
+
+#ifdef __AVX512F__
+namespace {
+
+constexpr int64_t kLanes = 16;          // rows per vector
+constexpr int64_t kAccumulators = 24;   // of the 32 zmm registers; the rest hold x and a broadcast
+constexpr int64_t kMaxGroups = 4;       // row groups per tile: up to 64 rows share each W element
+constexpr int64_t kFeatureBlock = 24;   // features per widened block of W: a multiple of every tile width
+constexpr int64_t kOutputBlock = 96;    // features per parallel work unit, staged, then copied to y by whole lines
+constexpr int64_t kPrefetchLines = 8;   // how far ahead W's rows are prefetched, in 64-byte lines   // features per parallel work unit: a multiple of every tile width
+
+// Rows [m0, m0 + 16 G) x F features into yt ([F][ldx]). xt: [K][ldx] (x transposed, rows padded
+// with zeros); w: the F rows of W for these features, `ldw` apart.
+template <int G, int F>
+inline void tile(const float* xt, int64_t ldx, const float* w, int64_t ldw, float* yt, int64_t K, int64_t m0) {
+  __m512 acc[G][F];
+  for (int g = 0; g < G; ++g)
+    for (int f = 0; f < F; ++f) acc[g][f] = _mm512_setzero_ps();
+  const float* xk = xt + m0;
+  const auto step = [&](int64_t k) {
+    __m512 xv[G];
+    for (int g = 0; g < G; ++g) xv[g] = _mm512_loadu_ps(xk + k * ldx + g * kLanes);
+    for (int f = 0; f < F; ++f) {
+      const __m512 wv = _mm512_set1_ps(w[f * ldw + k]);
+      for (int g = 0; g < G; ++g) acc[g][f] = _mm512_fmadd_ps(xv[g], wv, acc[g][f]);
+    }
+  };
+  // W's F rows are F interleaved streams, more than the hardware prefetcher follows when W
+  // comes from memory: each line of each row is fetched kPrefetchLines ahead by hand.
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
+    for (int f = 0; f < F; ++f)
+      _mm_prefetch(reinterpret_cast<const char*>(w + f * ldw + k + kPrefetchLines * kLanes), _MM_HINT_T0);
+    for (int64_t j = 0; j < kLanes; ++j) step(k + j);
+  }
+  for (; k < K; ++k) step(k);
+  // Staged as yt[feature][row] (plain stores); feature_range moves them into y's rows.
+  for (int g = 0; g < G; ++g)
+    for (int f = 0; f < F; ++f) _mm512_storeu_ps(yt + f * ldx + m0 + g * kLanes, acc[g][f]);
+}
+
+// Every row group against F features: tiles of up to 24 / F groups, W's F rows re-read from L1.
+template <int F>
+void feature_tile(const float* xt, int64_t ldx, int64_t groups, const float* w, int64_t ldw, float* yt, int64_t K) {
+  constexpr int64_t kGroupsPerTile = std::min<int64_t>(kMaxGroups, kAccumulators / F);
+  for (int64_t g0 = 0; g0 < groups; g0 += kGroupsPerTile) {
+    const int64_t m0 = g0 * kLanes;
+    switch (std::min(kGroupsPerTile, groups - g0)) {
+      case 1: tile<1, F>(xt, ldx, w, ldw, yt, K, m0); break;
+      case 2: if constexpr (2 * F <= kAccumulators) tile<2, F>(xt, ldx, w, ldw, yt, K, m0); break;
+      case 3: if constexpr (3 * F <= kAccumulators) tile<3, F>(xt, ldx, w, ldw, yt, K, m0); break;
+      default: if constexpr (4 * F <= kAccumulators) tile<4, F>(xt, ldx, w, ldw, yt, K, m0); break;
+    }
+  }
+}
+
+// Features [f0, f0 + nf), nf <= 24: W's rows widened (bf16) or copied (fp32: one sequential
+// stream per row, where F interleaved rows read in place ran 15-30 % slower from memory) into
+// `widened`, then every row group in tiles of F features (the last ones one at a time), staged
+// in `yt` ([nf][ldx]).
+template <int F, typename W>
+void feature_block(const float* xt, int64_t ldx, int64_t groups, const W* w, int64_t K, int64_t f0, int64_t nf,
+                   float* widened, float* yt) {
+  widen_row(w + f0 * K, widened, nf * K);
+  int64_t f = 0;
+  for (; f + F <= nf; f += F) feature_tile<F>(xt, ldx, groups, widened + f * K, K, yt + f * ldx, K);
+  for (; f < nf; ++f) feature_tile<1>(xt, ldx, groups, widened + f * K, K, yt + f * ldx, K);
+}
+
+// xt[k][m] = x[m][k] for m < M, zeros for the padding rows up to ldx; 16 k at a time so the
+// reads run along x's rows and the writes fill 16 lines of xt together.
+void transpose_rows(const float* x, float* xt, int64_t M, int64_t K, int64_t ldx) {
+  for (int64_t k0 = 0; k0 < K; k0 += kLanes) {
+    const int64_t nk = std::min(kLanes, K - k0);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t j = 0; j < nk; ++j) xt[(k0 + j) * ldx + m] = x[m * K + k0 + j];
+    for (int64_t j = 0; j < nk; ++j) std::fill(xt + (k0 + j) * ldx + M, xt + (k0 + j + 1) * ldx, 0.0f);
+  }
+}
+
+template <typename W>
+void run(const float* x, const W* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t groups = (M + kLanes - 1) / kLanes;
+  const int64_t ldx = groups * kLanes;
+  thread_local std::vector<float> xt_buffer;
+  xt_buffer.resize(static_cast<size_t>(K * ldx));
+  float* xt = xt_buffer.data();
+  transpose_rows(x, xt, M, K, ldx);
+  const int64_t out_blocks = (N + kOutputBlock - 1) / kOutputBlock;
+  const int64_t tile_groups = std::min(groups, kMaxGroups);
+  spindle::parallel_for(0, out_blocks, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> widened, yt;
+    widened.resize(static_cast<size_t>(kFeatureBlock * K));
+    yt.resize(static_cast<size_t>(kOutputBlock * ldx));
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t first = block * kOutputBlock;
+      const int64_t count = std::min(kOutputBlock, N - first);
+      for (int64_t f0 = first; f0 < first + count; f0 += kFeatureBlock) {
+        const int64_t nf = std::min(kFeatureBlock, first + count - f0);
+        float* staged = yt.data() + (f0 - first) * ldx;
+        switch (tile_groups) {
+          case 1:
+          case 2: feature_block<12>(xt, ldx, groups, w, K, f0, nf, widened.data(), staged); break;
+          case 3: feature_block<8>(xt, ldx, groups, w, K, f0, nf, widened.data(), staged); break;
+          default: feature_block<6>(xt, ldx, groups, w, K, f0, nf, widened.data(), staged); break;
+        }
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        float* out = y + m * N + first;
+        for (int64_t j = 0; j < count; ++j) out[j] = yt[j * ldx + m] + (bias != nullptr ? bias[first + j] : 0.0f);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+bool mid_m_available() { return true; }
+
+void linear_mid_m(const float* x, const void* w, bool w_is_bf16, const float* bias, float* y, int64_t M, int64_t N,
+                  int64_t K) {
+  if (w_is_bf16) {
+    run(x, static_cast<const c10::BFloat16*>(w), bias, y, M, N, K);
+  } else {
+    run(x, static_cast<const float*>(w), bias, y, M, N, K);
+  }
+}
+
+#else
+
+bool mid_m_available() { return false; }
+
+void linear_mid_m(const float*, const void*, bool, const float*, float*, int64_t, int64_t, int64_t) {}
+
+#endif
+
+}  // namespace spindle
