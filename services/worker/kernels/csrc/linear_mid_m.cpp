@@ -43,8 +43,8 @@ inline void tile(const float* xt, int64_t ldx, const float* w, int64_t ldw, floa
       for (int g = 0; g < G; ++g) acc[g][f] = _mm512_fmadd_ps(xv[g], wv, acc[g][f]);
     }
   };
-  // W's F rows are F interleaved streams, more than the hardware prefetcher follows when W
-  // comes from memory: each line of each row is fetched kPrefetchLines ahead by hand.
+  // The F rows of W's scratch copy are F interleaved streams (from L2 once 24 rows of K pass
+  // L1), more than the hardware prefetcher follows: each line is fetched kPrefetchLines ahead.
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
     for (int f = 0; f < F; ++f)
