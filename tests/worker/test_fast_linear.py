@@ -12,7 +12,15 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.models import fast_linear
-from services.worker.models.fast_linear import FastLinear, calibrate, store_weights_as
+from services.worker.models.fast_linear import (
+    PROBE_ROWS,
+    FastLinear,
+    ProbeTimes,
+    calibrate,
+    round_max_rows,
+    rows_within,
+    store_weights_as,
+)
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -77,54 +85,78 @@ def test_calibrate_sets_every_layer_of_a_shape_alike() -> None:
     assert model[0].kernel_max_rows == model[1].kernel_max_rows == chosen[(64, 64, "float32")]
 
 
+def _winning_up_to(rows: int, kernel: float = 0.5) -> ProbeTimes:
+    """Timings where the kernel takes `kernel` s against the GEMM's 1 s up to `rows`, then 2 s."""
+    return tuple((kernel if r <= rows else 2.0, 1.0) for r in PROBE_ROWS)
+
+
 def test_calibration_is_measured_once_then_read_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """A second start reads the stored answer instead of measuring; SPINDLE_RECALIBRATE=1 measures again."""
+    """A second start reads the stored timings instead of measuring; SPINDLE_RECALIBRATE=1 measures again."""
     path = tmp_path / "build" / "linear_calibration.json"
     monkeypatch.setattr(fast_linear, "calibration_path", lambda: path)
     measured: list[tuple[int, ...]] = []
 
     def fake_measure(weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool = False,
-                     dtype: torch.dtype = torch.float32) -> int:
+                     dtype: torch.dtype = torch.float32, working_set: int = 0) -> ProbeTimes:
         measured.append(tuple(weight.shape))
-        return 8 * len(measured)
+        return _winning_up_to(PROBE_ROWS[len(measured)])
 
-    monkeypatch.setattr(fast_linear, "kernel_max_rows", fake_measure)
+    monkeypatch.setattr(fast_linear, "probe_times", fake_measure)
     model = torch.nn.Sequential(FastLinear(64, 64), FastLinear(64, 128, bias=False))
-    assert calibrate(model) == {(64, 64, "float32"): 8, (128, 64, "float32"): 16}
+    assert calibrate(model) == {(64, 64, "float32"): 2, (128, 64, "float32"): 4}
+    assert model[0].probe_s == _winning_up_to(2), "the timings stay on the layer (for the native stack)"
     assert measured == [(64, 64), (128, 64)] and path.is_file()
     assert calibrate(torch.nn.Sequential(FastLinear(64, 64), FastLinear(64, 32))) == {
-        (64, 64, "float32"): 8, (32, 64, "float32"): 24}, "only the new shape is measured"
+        (64, 64, "float32"): 2, (32, 64, "float32"): 8}, "only the new shape is measured"
     assert measured == [(64, 64), (128, 64), (32, 64)]
     monkeypatch.setenv("SPINDLE_RECALIBRATE", "1")
-    assert calibrate(model) == {(64, 64, "float32"): 32, (128, 64, "float32"): 40}
+    assert calibrate(model) == {(64, 64, "float32"): 16, (128, 64, "float32"): 32}
     monkeypatch.delenv("SPINDLE_RECALIBRATE")
-    assert calibrate(model) == {(64, 64, "float32"): 32, (128, 64, "float32"): 40}, "the new answer was stored"
+    assert calibrate(model) == {(64, 64, "float32"): 16, (128, 64, "float32"): 32}, "the new answer was stored"
     assert len(measured) == 5
     bf16 = torch.nn.Sequential(FastLinear(64, 64)).to(torch.bfloat16)
-    assert calibrate(bf16, torch.bfloat16) == {(64, 64, "bfloat16"): 48}, "bf16 activations: measured on their own"
+    assert calibrate(bf16, torch.bfloat16) == {(64, 64, "bfloat16"): 64}, "bf16 activations: measured on their own"
     keys = set(json.loads(path.read_text()))
     assert any("x-bfloat16" in k for k in keys) and any("x-bfloat16" not in k for k in keys)
-    monkeypatch.setenv(fast_linear.TOLERANCE_ENV, "1.3")
-    calibrate(model)
-    assert len(measured) == 8, "another tolerance: measured again"
-    assert set(json.loads(path.read_text())) - keys == {
-        f"{shape} float32 {bias} threads={torch.get_num_threads()}{versus} within=1.3"
-        for shape, bias, versus in (("64x64", "bias", _versus(model[0])), ("128x64", "nobias", _versus(model[1])))}
+    assert all(k.endswith(" set=0MiB") for k in keys), "the weights the probes cycled through: part of the key"
 
 
 def _versus(layer: FastLinear) -> str:
     return " vs-onednn" if layer.onednn is not None else ""
 
 
-def test_an_unreadable_calibration_file_is_measured_over(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+@pytest.mark.parametrize("content", ["{not json", '{"64x64 float32 bias threads=2": 8}', "[1, 2]"])
+def test_an_unreadable_or_older_calibration_file_is_measured_over(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, content: str) -> None:
+    """Not JSON, or an older build's row count instead of timings: measured again and replaced."""
     path = tmp_path / "linear_calibration.json"
-    path.write_text("{not json")
+    path.write_text(content.replace("threads=2", f"threads={torch.get_num_threads()} set=0MiB"))
     monkeypatch.setattr(fast_linear, "calibration_path", lambda: path)
-    monkeypatch.setattr(fast_linear, "kernel_max_rows", lambda weight, bias, onednn=False, dtype=torch.float32: 4)
+    monkeypatch.setattr(fast_linear, "probe_times", lambda *args: _winning_up_to(4))
     model = torch.nn.Sequential(FastLinear(64, 64))
     assert calibrate(model) == {(64, 64, "float32"): 4}
-    key = f"64x64 float32 bias threads={torch.get_num_threads()}{_versus(model[0])}"
-    assert json.loads(path.read_text()) == {key: 4}
+    key = f"64x64 float32 bias threads={torch.get_num_threads()}{_versus(model[0])} set=0MiB"  # 16 KiB of weights
+    assert json.loads(path.read_text())[key] == [list(t) for t in _winning_up_to(4)]
+
+
+def test_rows_where_the_kernel_wins() -> None:
+    times = tuple((k, 1.0) for k in (0.5, 0.9, 1.1, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5))
+    assert rows_within(times) == 2, "the first probe the kernel loses ends it, however it does later"
+    assert rows_within(((1.0, 1.0),) * len(PROBE_ROWS)) == 0, "a tie is not a win"
+
+
+def test_round_rows_come_from_the_layers_summed_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Summed over the layers, the kernel may take up to 10 us a row more than the GEMM."""
+    fast, slow = FastLinear(8, 8), FastLinear(8, 8)
+    fast.probe_s = tuple((1e-3, 3e-3) for _ in PROBE_ROWS)
+    slow.probe_s = tuple((3e-3 if r >= 64 else 0.5e-3, 1e-3) for r in PROBE_ROWS)  # 2 ms behind from 64 rows
+    assert round_max_rows([fast, slow]) == PROBE_ROWS[-1], "summed: a tie, within the allowance"
+    assert round_max_rows([slow]) == 32, "2 ms behind at 64 rows: more than 64 x 10 us"
+    monkeypatch.setenv(fast_linear.ROUND_ALLOWANCE_ENV, "40")
+    assert round_max_rows([slow]) == PROBE_ROWS[-1], "2 ms within 64 x 40 us"
+    monkeypatch.setenv(fast_linear.ROUND_ALLOWANCE_ENV, "0")
+    assert round_max_rows([fast, slow]) == 32, "without the allowance a tie is not a win"
+    assert round_max_rows([fast, FastLinear(8, 8)]) == 0, "a layer without timings: no round rows"
 
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")

@@ -20,7 +20,7 @@ from services.worker.attention import create_backend
 from services.worker.attention.base import AttentionType, CommonAttentionMetadata
 from services.worker.kv_cache import allocate_kv_caches
 from services.worker.models.decoder import DecoderForCausalLM
-from services.worker.models.fast_linear import FastLinear, store_weights_as
+from services.worker.models.fast_linear import PROBE_ROWS, FastLinear, store_weights_as
 from services.worker.models.loader import load_model
 from services.worker.models.native_stack import DISABLE_ENV, NativeStack, build_native_stack, work_pool_scope
 
@@ -39,6 +39,7 @@ def _model(model_dir: Path, weight_dtype: torch.dtype = torch.float32,
     for module in model.modules():
         if isinstance(module, FastLinear):
             module.kernel_max_rows = KERNEL_ROWS
+            module.probe_s = ()  # no round rows past them
     model.build_native_stack()
     assert model.native_stack is not None and model.native_stack.max_rows == KERNEL_ROWS
     return model
@@ -158,6 +159,7 @@ def test_stack_not_built_where_it_would_differ(llama_dir: Path, monkeypatch: pyt
     for module in model.modules():
         if isinstance(module, FastLinear):
             module.kernel_max_rows = 0  # a CPU where the BLAS won every probe
+            module.probe_s = tuple((2.0, 1.0) for _ in PROBE_ROWS)
     assert build_native_stack(model.config, model.layers, model.norm) is None
     model.layers[0].mlp.down_proj.kernel_max_rows = 4
     assert build_native_stack(model.config, model.layers, model.norm) is None, "one layer off the kernel"
@@ -170,3 +172,18 @@ def test_stack_not_built_where_it_would_differ(llama_dir: Path, monkeypatch: pyt
     monkeypatch.delenv(DISABLE_ENV)
     sdpa = load_model(llama_dir, create_backend("sdpa", BLOCK_SIZE), torch.float32, torch.device("cpu"))
     assert build_native_stack(sdpa.config, sdpa.layers, sdpa.norm) is None, "rotary stays in torch with sdpa"
+
+
+def test_stack_takes_rows_where_the_summed_kernel_is_within_the_round_tolerance(llama_dir: Path) -> None:
+    """Past the rows every layer wins, the stack (and the LM head) go as far as the layers' summed
+    times allow: such a round runs on spindle's pool."""
+    model = load_model(llama_dir, create_backend("paged", BLOCK_SIZE), torch.float32, torch.device("cpu"))
+    for module in model.modules():
+        if isinstance(module, FastLinear):
+            module.kernel_max_rows = 4
+            module.probe_s = tuple((1e-5 if r <= 64 else 2e-3, 1e-3) for r in PROBE_ROWS)  # far behind past 64 rows
+    model.lm_head.kernel_max_rows = 2
+    model.build_native_stack()
+    assert model.native_stack is not None and model.native_stack.max_rows == 64
+    assert model.lm_head.kernel_max_rows == 64, "the LM head follows, or the round would leave the pool"
+    assert model.layers[0].mlp.down_proj.kernel_max_rows == 4, "the Python path keeps each layer's own choice"

@@ -1,7 +1,7 @@
 """The linear kernel's calibration, kept on disk per kernel build, so a worker measures once.
 
 `fast_linear.calibrate` times spindle's kernel against torch's GEMM for each weight shape at
-start-up (~2-3 s for a 100M-parameter model on 2 cores), and the answer came out differently
+every probe row count at start-up (~2-3 s for a 100M-parameter model on 2 cores), and the answer came out differently
 from one start to the next where the two are close, so two runs of one benchmark did not run
 the same code. The answer depends on the CPU, the kernel build, torch and the thread count:
 it is stored beside the build (whose folder is keyed by sources, flags, torch version and CPU
@@ -26,22 +26,26 @@ FILE_NAME = "linear_calibration.json"
 
 
 def entry_key(out_features: int, in_features: int, weight_dtype: str, has_bias: bool, num_threads: int,
-              onednn: bool = False, activation_dtype: str = "float32", tolerance: float = 1.0) -> str:
+              onednn: bool = False, activation_dtype: str = "float32", working_set: int | None = None) -> str:
     """One measurement's key; `onednn`: the kernel was timed against oneDNN's GEMM, not torch's;
-    `tolerance`: how much slower than it the kernel could be and still be chosen."""
+    `working_set`: the bytes of weight copies the probes cycled through (the model's linear
+    weights, capped: the timings differ with it)."""
     bias = "bias" if has_bias else "nobias"
     versus = " vs-onednn" if onednn else ""
     activations = "" if activation_dtype == "float32" else f" x-{activation_dtype}"  # float32's keys as before
-    within = "" if tolerance == 1.0 else f" within={tolerance:g}"  # 1.0's keys as before
-    return f"{out_features}x{in_features} {weight_dtype} {bias} threads={num_threads}{versus}{activations}{within}"
+    cycled = "" if working_set is None else f" set={working_set >> 20}MiB"
+    return f"{out_features}x{in_features} {weight_dtype} {bias} threads={num_threads}{versus}{activations}{cycled}"
 
 
-def load(path: Path) -> dict[str, int]:
-    """Stored row counts by `entry_key`; empty when absent or unreadable, or when a recalibration was asked for."""
+Timings = tuple[tuple[float, float], ...]  # per probe row count: (kernel, GEMM) seconds
+
+
+def load(path: Path) -> dict[str, Timings]:
+    """Stored timings by `entry_key`; empty when absent or unreadable, or when a recalibration was asked for."""
     return {} if os.environ.get(RECALIBRATE_ENV) == "1" else _read(path)
 
 
-def store(path: Path, measured: dict[str, int]) -> None:
+def store(path: Path, measured: dict[str, Timings]) -> None:
     """Add `measured` to the file (atomically); a failure to write only costs the next start its time."""
     if not measured:
         return
@@ -55,7 +59,7 @@ def store(path: Path, measured: dict[str, int]) -> None:
         logger.warning("could not store the linear calibration in %s: %s", path, exc)
 
 
-def _read(path: Path) -> dict[str, int]:
+def _read(path: Path) -> dict[str, Timings]:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -65,4 +69,18 @@ def _read(path: Path) -> dict[str, int]:
         return {}
     if not isinstance(data, dict):
         return {}
-    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, int) and v >= 0}
+    return {k: timings for k, v in data.items() if isinstance(k, str) and (timings := _timings(v)) is not None}
+
+
+def _timings(value: object) -> Timings | None:
+    """`value` as timings: a list of [kernel, GEMM] pairs of positive seconds (else None: an entry
+    of another format, e.g. a row count an older build stored, is measured again)."""
+    if not isinstance(value, list):
+        return None
+    pairs = []
+    for pair in value:
+        if not (isinstance(pair, list) and len(pair) == 2
+                and all(isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0 for t in pair)):
+            return None
+        pairs.append((float(pair[0]), float(pair[1])))
+    return tuple(pairs)

@@ -230,7 +230,7 @@ class DecoderForCausalLM(SpindleModel):
     def build_native_stack(self) -> None:
         """Gather the layers' parameters for the one-call stack (models/native_stack.py); once the
         weights are final and calibrated (the loader calls it), as the kernel reads these tensors."""
-        self.native_stack = build_native_stack(self.config, self.layers, self.norm)
+        self.native_stack = build_native_stack(self.config, self.layers, self.norm, self.lm_head)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings, scaled where the family scales them (Gemma: sqrt(hidden_size))."""

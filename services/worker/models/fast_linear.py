@@ -51,20 +51,25 @@ ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)  # what the kernel and the p
 DISABLE_ENV = "SPINDLE_DISABLE_LINEAR_KERNEL"  # 1: no kernel, the GEMM at every row count (side-by-side runs)
 DISABLE_ONEDNN_ENV = "SPINDLE_DISABLE_ONEDNN_LINEAR"  # 1: past the kernel's rows, F.linear on the plain weight
 ONEDNN_MAX_MEMORY_SHARE = 0.5  # packed copies may take at most this share of MemAvailable
-# The kernel is kept while it takes at most this multiple of the GEMM's time (TOLERANCE_ENV
-# overrides it). A round whose every layer runs the kernel goes on spindle's work pool
-# (native_stack.round_scope): with every layer forced onto it, 64 streams of the small model
-# served +13-17 % output (2-core AMD EPYC, Zen 5), though its layers alone ran 15-29 % slower
-# than oneDNN's from memory. But 1.3 let the calibration's noisy probes (this machine's memory
-# speed moves 2x within minutes) keep the kernel for some layers of a step and not others: the
-# pool never opened at 64 streams, and 128-token prefills ran the slower kernel on OpenMP (one
-# stream: -7 %, first token +2.3 ms). So the kernel must win, until the calibration times whole
-# rounds rather than layers.
-KERNEL_TOLERANCE = 1.0
-TOLERANCE_ENV = "SPINDLE_LINEAR_KERNEL_TOLERANCE"
+# A round whose every layer runs the kernel goes on spindle's work pool (native_stack.round_scope),
+# out of OpenMP's barriers, which pays even where the kernel alone is a little slower: each
+# parallel op no longer waits for a thread that lost its core to the host services, whose work
+# grows with the tokens a round streams. So the native stack (and the LM head) take the kernel
+# up to the most rows where the layers' summed kernel time exceeds the GEMM's by at most
+# ROUND_ALLOWANCE_S per row (`round_max_rows`; summed, as single layers' probes are noisy on a
+# host whose memory speed moves). Measured, 2-core AMD EPYC (Zen 5), 64 streams served: the
+# small model on the kernel up to 256 rows gained +15-17 % (~27 us a token), the medium model
+# on it up to 128 rows lost 2-6 % (its kernel ~19 us a row behind at 64 rows); 10 us keeps the
+# small model's 128 rows and the medium model's 32.
+ROUND_ALLOWANCE_S = 10e-6
+ROUND_ALLOWANCE_ENV = "SPINDLE_ROUND_ALLOWANCE_US"  # overrides it, in microseconds; 0: the kernel must win
 _REPEATS = 3
 _SAMPLE_S = 1e-3  # calls per timing sample: enough to fill this many seconds
-_COLD_BYTES = 64 << 20  # probes cycle through copies of a weight this large in all: past the caches
+# Probes cycle through copies of a weight as large in all as the model's linear weights, at most
+# this much: past the caches when they are (a layer's weight is then evicted by the others'
+# before it runs again), but not for a model that stays in the last-level cache, where the
+# kernel's timings from memory (15-29 % behind oneDNN's at 64 rows) were not what its steps saw.
+_COLD_BYTES = 64 << 20
 _MAX_COPIES = 16
 _WIDEN_SLICE_BYTES = 4 << 20  # float32 weights widened per BLAS call: bounded for large vocabularies
 
@@ -73,6 +78,7 @@ class FastLinear(nn.Linear):
     """nn.Linear; inputs of at most `kernel_max_rows` rows use the small-M kernel."""
 
     kernel_max_rows: int = 0  # set per layer by `calibrate`; 0: always the GEMM
+    probe_s: tuple[tuple[float, float], ...] = ()  # per PROBE_ROWS: (kernel, GEMM) seconds, from `calibrate`
     onednn: OneDnnWeight | None = None  # set by `calibrate` where the GEMM runs on a oneDNN-packed copy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -135,28 +141,49 @@ def _best_times(fns: tuple[Callable[[int], object], ...], copies: int) -> list[f
     return best
 
 
-def kernel_tolerance() -> float:
-    """How much slower than the GEMM the kernel may be and still be chosen (KERNEL_TOLERANCE)."""
-    return float(os.environ.get(TOLERANCE_ENV) or KERNEL_TOLERANCE)
+ProbeTimes = tuple[tuple[float, float], ...]  # per PROBE_ROWS: best seconds of (kernel, GEMM)
 
 
-def kernel_max_rows(weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool = False,
-                    dtype: torch.dtype = torch.float32) -> int:
-    """The largest probe row count up to which the kernel beat the GEMM (oneDNN's where `onednn`),
-    or came within `kernel_tolerance`, at every probe, on `dtype` activations."""
+def probe_times(weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool = False,
+                dtype: torch.dtype = torch.float32, working_set: int = _COLD_BYTES) -> ProbeTimes:
+    """The kernel's and the GEMM's (oneDNN's where `onednn`) time at every probe row count, on
+    `dtype` activations, cycling through copies of the weight `working_set` bytes in all."""
     weight_bytes = weight.numel() * weight.element_size()
-    weights = [weight] + [weight.clone() for _ in range(min(_MAX_COPIES, -(-_COLD_BYTES // weight_bytes)) - 1)]
+    weights = [weight] + [weight.clone() for _ in range(min(_MAX_COPIES, -(-working_set // weight_bytes)) - 1)]
     packs = [OneDnnWeight() for _ in weights] if onednn else []
 
     def gemm(c: int, x: torch.Tensor) -> torch.Tensor:
         return packs[c].linear(x, weights[c], bias) if packs else blas_linear(x, weights[c], bias)
 
-    best = 0
+    times = []
     for rows in PROBE_ROWS:
         x = torch.randn(rows, weight.shape[1], dtype=dtype)
         kernel, other = _best_times((lambda c, x=x: torch.ops.spindle.linear_small_m(x, weights[c], bias),
                                      lambda c, x=x: gemm(c, x)), len(weights))
-        if kernel >= other * kernel_tolerance():
+        times.append((kernel, other))
+    return tuple(times)
+
+
+def rows_within(times: ProbeTimes) -> int:
+    """The largest probe row count up to which the kernel beat the GEMM at every probe (0: not
+    even at one row)."""
+    best = 0
+    for rows, (kernel, other) in zip(PROBE_ROWS, times, strict=False):
+        if kernel >= other:
+            break
+        best = rows
+    return best
+
+
+def round_max_rows(layers: list[FastLinear]) -> int:
+    """The largest probe row count up to which the layers' summed kernel time stays within their
+    summed GEMM time plus ROUND_ALLOWANCE_S a row, at every probe; 0 where some layer was not timed."""
+    if not layers or any(len(m.probe_s) != len(PROBE_ROWS) for m in layers):
+        return 0
+    allowance_s = float(os.environ.get(ROUND_ALLOWANCE_ENV) or ROUND_ALLOWANCE_S * 1e6) * 1e-6
+    best = 0
+    for i, rows in enumerate(PROBE_ROWS):
+        if sum(m.probe_s[i][0] for m in layers) >= sum(m.probe_s[i][1] for m in layers) + allowance_s * rows:
             break
         best = rows
     return best
@@ -205,8 +232,9 @@ def calibration_path() -> Path:
 
 @torch.inference_mode()
 def calibrate(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict[tuple[int, int, str], int]:
-    """Set `kernel_max_rows` on every CPU FastLinear of `model` for `dtype` activations (float32 or
-    bfloat16); returns it per (out, in, weight dtype).
+    """Set `kernel_max_rows` (where the kernel wins every probe) and `probe_s` (the timings, for
+    `round_max_rows`) on every CPU FastLinear of `model` for `dtype` activations (float32 or
+    bfloat16); returns the rows per (out, in, weight dtype).
 
     Layers of one shape share one measurement, and a shape measured before on this kernel
     build with this many threads is read back (calibration_cache.py). Without the kernels
@@ -228,19 +256,24 @@ def calibrate(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict[tupl
     start = time.perf_counter()
     path = calibration_path()
     stored = calibration_cache.load(path)
-    measured: dict[str, int] = {}
+    unique = {m.weight.data_ptr(): m.weight.numel() * m.weight.element_size() for m in layers}
+    working_set = min(sum(unique.values()), _COLD_BYTES)
+    measured: dict[str, ProbeTimes] = {}
     by_shape: dict[tuple[int, int, str], int] = {}
+    times_by_shape: dict[tuple[int, int, str], ProbeTimes] = {}
     for layer in layers:
         shape = (layer.out_features, layer.in_features, str(layer.weight.dtype).removeprefix("torch."))
         if shape not in by_shape:
             onednn = layer.onednn is not None
             key = calibration_cache.entry_key(*shape, layer.bias is not None, torch.get_num_threads(), onednn,
-                                              str(dtype).removeprefix("torch."), kernel_tolerance())
-            rows = stored.get(key)
-            if rows is None:
-                rows = measured[key] = kernel_max_rows(layer.weight, layer.bias, onednn, dtype)
-            by_shape[shape] = rows
+                                              str(dtype).removeprefix("torch."), working_set)
+            times = stored.get(key)
+            if times is None or len(times) != len(PROBE_ROWS):
+                times = measured[key] = probe_times(layer.weight, layer.bias, onednn, dtype, working_set)
+            by_shape[shape] = rows_within(times)
+            times_by_shape[shape] = times
         layer.kernel_max_rows = by_shape[shape]
+        layer.probe_s = times_by_shape[shape]
     calibration_cache.store(path, measured)
     logger.info("linear kernel chosen by measurement (%.1f s; %d of %d shapes read from %s): up to %s rows "
                 "per (out, in, weight dtype)", time.perf_counter() - start, len(by_shape) - len(measured),

@@ -40,7 +40,7 @@ from torch import nn
 
 from services.worker.attention.paged import PagedMetadata
 from services.worker.models.config import DecoderConfig
-from services.worker.models.fast_linear import FastLinear
+from services.worker.models.fast_linear import FastLinear, round_max_rows
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +124,14 @@ def round_scope(model: nn.Module, num_scheduled: np.ndarray) -> AbstractContextM
     return work_pool_scope()
 
 
-def build_native_stack(config: DecoderConfig, layers: nn.ModuleList, final_norm: nn.Module) -> NativeStack | None:
-    """The native stack for these layers, or None (logged) where it would not compute what they do."""
+def build_native_stack(config: DecoderConfig, layers: nn.ModuleList, final_norm: nn.Module,
+                       lm_head: nn.Module | None = None) -> NativeStack | None:
+    """The native stack for these layers, or None (logged) where it would not compute what they do.
+
+    It takes rows up to where every layer's kernel beat the GEMM or, further, up to where the
+    kernel's time summed over the layers and the LM head stays within the round tolerance
+    (fast_linear.round_max_rows: a round on the stack runs on spindle's pool, out of OpenMP's
+    barriers); the LM head then runs the kernel as far, so that such a round stays on the pool."""
     linears = [m for m in layers.modules() if isinstance(m, FastLinear)]
     reason = _unsupported(config, layers, linears)
     if reason is not None:
@@ -142,6 +148,12 @@ def build_native_stack(config: DecoderConfig, layers: nn.ModuleList, final_norm:
         windows.append(attn.spec.sliding_window or 0)
     weights.append(final_norm.weight)
     spec = layers[0].self_attn.spec
+    heads = [lm_head] if isinstance(lm_head, FastLinear) else []
+    round_rows = round_max_rows(linears + heads)
+    max_rows = max(min(m.kernel_max_rows for m in linears), round_rows)
+    for head in heads:
+        head.kernel_max_rows = max(head.kernel_max_rows, round_rows)
+    logger.info("decoder layers run in one native call up to %d rows", max_rows)
     return NativeStack(
         weights=[w.detach() for w in weights],
         biases=[None if b is None else b.detach() for b in biases],
@@ -152,7 +164,7 @@ def build_native_stack(config: DecoderConfig, layers: nn.ModuleList, final_norm:
         num_heads=spec.num_heads,
         scale=spec.scale,
         softcap=spec.logit_softcap or 0.0,
-        max_rows=min(m.kernel_max_rows for m in linears),
+        max_rows=max_rows,
     )
 
 

@@ -25,10 +25,11 @@ constexpr int64_t kAccumulators = 24;   // of the 32 zmm registers; the rest hol
 constexpr int64_t kMaxGroups = 4;       // row groups per tile: up to 64 rows share each W element
 constexpr int64_t kFeatureBlock = 24;   // features per widened block of W: a multiple of every tile width
 constexpr int64_t kOutputBlock = 96;    // features per parallel work unit, staged, then copied to y by whole lines
-constexpr int64_t kPrefetchLines = 8;   // how far ahead W's rows are prefetched, in 64-byte lines   // features per parallel work unit: a multiple of every tile width
+constexpr int64_t kWideLayer = 16 * kOutputBlock;  // from this many features on, units of kOutputBlock
+constexpr int64_t kPrefetchLines = 8;   // how far ahead W's rows are prefetched, in 64-byte lines
 
-// Rows [m0, m0 + 16 G) x F features into yt ([F][ldx]). xt: [K][ldx] (x transposed, rows padded
-// with zeros); w: the F rows of W for these features, `ldw` apart.
+// Rows [m0, m0 + 16 G) x F features into yt ([F][ldx]). xt: x^T ([K][ldx], rows padded with
+// zeros); w: the F rows of W, `ldw` apart.
 template <int G, int F>
 inline void tile(const float* xt, int64_t ldx, const float* w, int64_t ldw, float* yt, int64_t K, int64_t m0) {
   __m512 acc[G][F];
@@ -43,8 +44,8 @@ inline void tile(const float* xt, int64_t ldx, const float* w, int64_t ldw, floa
       for (int g = 0; g < G; ++g) acc[g][f] = _mm512_fmadd_ps(xv[g], wv, acc[g][f]);
     }
   };
-  // The F rows of W's scratch copy are F interleaved streams (from L2 once 24 rows of K pass
-  // L1), more than the hardware prefetcher follows: each line is fetched kPrefetchLines ahead.
+  // W's F rows are F interleaved streams, more than the hardware prefetcher follows when they
+  // come from memory: each line is fetched kPrefetchLines ahead by hand.
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
     for (int f = 0; f < F; ++f)
@@ -52,7 +53,6 @@ inline void tile(const float* xt, int64_t ldx, const float* w, int64_t ldw, floa
     for (int64_t j = 0; j < kLanes; ++j) step(k + j);
   }
   for (; k < K; ++k) step(k);
-  // Staged as yt[feature][row] (plain stores); feature_range moves them into y's rows.
   for (int g = 0; g < G; ++g)
     for (int f = 0; f < F; ++f) _mm512_storeu_ps(yt + f * ldx + m0 + g * kLanes, acc[g][f]);
 }
@@ -72,17 +72,14 @@ void feature_tile(const float* xt, int64_t ldx, int64_t groups, const float* w, 
   }
 }
 
-// Features [f0, f0 + nf), nf <= 24: W's rows widened (bf16) or copied (fp32: one sequential
-// stream per row, where F interleaved rows read in place ran 15-30 % slower from memory) into
-// `widened`, then every row group in tiles of F features (the last ones one at a time), staged
-// in `yt` ([nf][ldx]).
-template <int F, typename W>
-void feature_block(const float* xt, int64_t ldx, int64_t groups, const W* w, int64_t K, int64_t f0, int64_t nf,
-                   float* widened, float* yt) {
-  widen_row(w + f0 * K, widened, nf * K);
+// nf <= 24 features (W's rows from `w`, `ldw` apart) in tiles of F features (the last ones one
+// at a time), into yt ([nf][ldx]).
+template <int F>
+void feature_block(const float* xt, int64_t ldx, int64_t groups, const float* w, int64_t ldw, int64_t nf, int64_t K,
+                   float* yt) {
   int64_t f = 0;
-  for (; f + F <= nf; f += F) feature_tile<F>(xt, ldx, groups, widened + f * K, K, yt + f * ldx, K);
-  for (; f < nf; ++f) feature_tile<1>(xt, ldx, groups, widened + f * K, K, yt + f * ldx, K);
+  for (; f + F <= nf; f += F) feature_tile<F>(xt, ldx, groups, w + f * ldw, ldw, yt + f * ldx, K);
+  for (; f < nf; ++f) feature_tile<1>(xt, ldx, groups, w + f * ldw, ldw, yt + f * ldx, K);
 }
 
 // xt[k][m] = x[m][k] for m < M, zeros for the padding rows up to ldx; 16 k at a time so the
@@ -96,6 +93,35 @@ void transpose_rows(const float* x, float* xt, int64_t M, int64_t K, int64_t ldx
   }
 }
 
+// One parallel unit: features [first, first + count), 24 at a time (bf16 rows widened into
+// `widened`), staged in yt, then into y's rows with the bias.
+template <typename W>
+void output_block(const float* xt, int64_t ldx, int64_t groups, const W* w, const float* bias, float* y, int64_t M,
+                  int64_t N, int64_t K, int64_t first, int64_t count, float* widened, float* yt) {
+  const int64_t tile_groups = std::min(groups, kMaxGroups);
+  for (int64_t f0 = first; f0 < first + count; f0 += kFeatureBlock) {
+    const int64_t nf = std::min(kFeatureBlock, first + count - f0);
+    const float* rows;
+    if constexpr (std::is_same_v<W, float>) {
+      rows = w + f0 * K;  // read in place: copied first, 1.1-1.4x slower from cache
+    } else {
+      widen_row(w + f0 * K, widened, nf * K);
+      rows = widened;
+    }
+    float* staged = yt + (f0 - first) * ldx;
+    switch (tile_groups) {
+      case 1:
+      case 2: feature_block<12>(xt, ldx, groups, rows, K, nf, K, staged); break;
+      case 3: feature_block<8>(xt, ldx, groups, rows, K, nf, K, staged); break;
+      default: feature_block<6>(xt, ldx, groups, rows, K, nf, K, staged); break;
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    float* out = y + m * N + first;
+    for (int64_t j = 0; j < count; ++j) out[j] = yt[j * ldx + m] + (bias != nullptr ? bias[first + j] : 0.0f);
+  }
+}
+
 template <typename W>
 void run(const float* x, const W* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t groups = (M + kLanes - 1) / kLanes;
@@ -104,29 +130,17 @@ void run(const float* x, const W* w, const float* bias, float* y, int64_t M, int
   xt_buffer.resize(static_cast<size_t>(K * ldx));
   float* xt = xt_buffer.data();
   transpose_rows(x, xt, M, K, ldx);
-  const int64_t out_blocks = (N + kOutputBlock - 1) / kOutputBlock;
-  const int64_t tile_groups = std::min(groups, kMaxGroups);
-  spindle::parallel_for(0, out_blocks, 1, [&](int64_t begin, int64_t end) {
+  // Units of 96 features where there are many (whole lines of y's rows), else of 24: a 256-wide
+  // layer in 3 units kept one of 2 threads idle for a third of the call (1.4-1.5x oneDNN's time).
+  const int64_t unit = N >= kWideLayer ? kOutputBlock : kFeatureBlock;
+  const int64_t units = (N + unit - 1) / unit;
+  spindle::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> widened, yt;
-    widened.resize(static_cast<size_t>(kFeatureBlock * K));
+    if constexpr (!std::is_same_v<W, float>) widened.resize(static_cast<size_t>(kFeatureBlock * K));
     yt.resize(static_cast<size_t>(kOutputBlock * ldx));
-    for (int64_t block = begin; block < end; ++block) {
-      const int64_t first = block * kOutputBlock;
-      const int64_t count = std::min(kOutputBlock, N - first);
-      for (int64_t f0 = first; f0 < first + count; f0 += kFeatureBlock) {
-        const int64_t nf = std::min(kFeatureBlock, first + count - f0);
-        float* staged = yt.data() + (f0 - first) * ldx;
-        switch (tile_groups) {
-          case 1:
-          case 2: feature_block<12>(xt, ldx, groups, w, K, f0, nf, widened.data(), staged); break;
-          case 3: feature_block<8>(xt, ldx, groups, w, K, f0, nf, widened.data(), staged); break;
-          default: feature_block<6>(xt, ldx, groups, w, K, f0, nf, widened.data(), staged); break;
-        }
-      }
-      for (int64_t m = 0; m < M; ++m) {
-        float* out = y + m * N + first;
-        for (int64_t j = 0; j < count; ++j) out[j] = yt[j * ldx + m] + (bias != nullptr ? bias[first + j] : 0.0f);
-      }
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t first = index * unit;
+      output_block(xt, ldx, groups, w, bias, y, M, N, K, first, std::min(unit, N - first), widened.data(), yt.data());
     }
   });
 }

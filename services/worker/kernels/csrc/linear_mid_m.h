@@ -7,15 +7,18 @@
 // OpenMP barriers stall whenever a host service takes one of the worker's two cores, and which
 // keeps the layer stack in Python (native_stack.py needs every layer on spindle's kernels).
 // Here x is transposed once per call into [K][rows] (rows padded to 16, a few KB to a few
-// hundred), W's rows are copied (fp32) or widened (bf16) 24 at a time into a scratch that stays
-// in L1/L2 (one sequential stream per row: 6-12 rows read in place, interleaved, ran 15-30 %
-// slower from memory), and a tile of 16 x G rows by F features keeps G * F accumulators (<= 24
-// of the 32 zmm registers): per k, G vector loads of x and F broadcasts of W feed G * F FMAs
-// (G = 4, F = 6 at 64 rows; G = 1, F = 12 at 16, where F = 24 ran ~40 % slower). Results are
-// staged per 96 features and copied into y's rows with the bias. Sums run over k in order, one
-// lane per (row, feature). Measured alone (hot weights, 2 threads, Zen 5): 290-474 GFLOP/s at
-// 64 rows over the benchmark models' shapes, oneDNN 250-480. Which calls use it is decided by
-// measurement at run time (models/fast_linear.py calibrates the whole kernel against oneDNN).
+// hundred), and a tile of 16 x G rows by F features keeps G * F accumulators (<= 24 of the 32
+// zmm registers): per k, G vector loads of x and F broadcasts of W feed G * F FMAs (G = 4, F = 6
+// at 64 rows; G = 1, F = 12 at 16, where F = 24 ran ~40 % slower). fp32 W is read in place
+// (copying 24 rows into a scratch first ran 1.1-1.4x slower from cache), its F rows prefetched
+// by hand; bf16 W is widened 24 rows at a time into a scratch. Results are staged per unit of
+// features and copied into y's rows with the bias; units of 24 features, 96 for layers of 1,536
+// and more (whole lines of y's rows: the 8192-wide LM head ran slower in 24s, a 256-wide layer
+// in 96s kept one of two threads idle for a third of the call). Sums run over k in order, one
+// lane per (row, feature). Measured alone, hot weights, 2 threads, Zen 5, time against
+// oneDNN's at the small model's shapes: 16 rows 0.60-1.23x, 64 rows 0.86-1.12x, 128 rows
+// 1.04-1.29x (`benchmarks` has no script for it: the calibration, models/fast_linear.py, times
+// the whole kernel against oneDNN per shape at start-up and decides from that).
 #pragma once
 
 #include <cstdint>
