@@ -60,7 +60,7 @@ ONEDNN_MAX_MEMORY_SHARE = 0.5  # packed copies may take at most this share of Me
 # host whose memory speed moves). Measured, 2-core AMD EPYC (Zen 5), 64 streams served: the
 # small model on the kernel up to 256 rows gained +15-17 % (~27 us a token), the medium model
 # on it up to 128 rows lost 2-6 % (its kernel ~19 us a row behind at 64 rows); 10 us keeps the
-# small model's 128 rows and the medium model's 32.
+# small model's 128 rows and the medium model's 32-64 (its calibrations vary).
 ROUND_ALLOWANCE_S = 10e-6
 ROUND_ALLOWANCE_ENV = "SPINDLE_ROUND_ALLOWANCE_US"  # overrides it, in microseconds; 0: the kernel must win
 _REPEATS = 3
@@ -72,13 +72,14 @@ _SAMPLE_S = 1e-3  # calls per timing sample: enough to fill this many seconds
 _COLD_BYTES = 64 << 20
 _MAX_COPIES = 16
 _WIDEN_SLICE_BYTES = 4 << 20  # float32 weights widened per BLAS call: bounded for large vocabularies
+ProbeTimes = calibration_cache.Timings  # per PROBE_ROWS: best seconds of (kernel, GEMM)
 
 
 class FastLinear(nn.Linear):
     """nn.Linear; inputs of at most `kernel_max_rows` rows use the small-M kernel."""
 
     kernel_max_rows: int = 0  # set per layer by `calibrate`; 0: always the GEMM
-    probe_s: tuple[tuple[float, float], ...] = ()  # per PROBE_ROWS: (kernel, GEMM) seconds, from `calibrate`
+    probe_s: ProbeTimes = ()  # per PROBE_ROWS: (kernel, GEMM) seconds, from `calibrate`
     onednn: OneDnnWeight | None = None  # set by `calibrate` where the GEMM runs on a oneDNN-packed copy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,9 +142,6 @@ def _best_times(fns: tuple[Callable[[int], object], ...], copies: int) -> list[f
     return best
 
 
-ProbeTimes = tuple[tuple[float, float], ...]  # per PROBE_ROWS: best seconds of (kernel, GEMM)
-
-
 def probe_times(weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool = False,
                 dtype: torch.dtype = torch.float32, working_set: int = _COLD_BYTES) -> ProbeTimes:
     """The kernel's and the GEMM's (oneDNN's where `onednn`) time at every probe row count, on
@@ -164,12 +162,12 @@ def probe_times(weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool = 
     return tuple(times)
 
 
-def rows_within(times: ProbeTimes) -> int:
-    """The largest probe row count up to which the kernel beat the GEMM at every probe (0: not
-    even at one row)."""
+def rows_within(times: ProbeTimes, allowance_s: float = 0.0) -> int:
+    """The largest probe row count up to which the kernel took less than the GEMM's time plus
+    `allowance_s` a row at every probe (0: not even at one row; no allowance: beat it)."""
     best = 0
     for rows, (kernel, other) in zip(PROBE_ROWS, times, strict=False):
-        if kernel >= other:
+        if kernel >= other + allowance_s * rows:
             break
         best = rows
     return best
@@ -181,12 +179,9 @@ def round_max_rows(layers: list[FastLinear]) -> int:
     if not layers or any(len(m.probe_s) != len(PROBE_ROWS) for m in layers):
         return 0
     allowance_s = float(os.environ.get(ROUND_ALLOWANCE_ENV) or ROUND_ALLOWANCE_S * 1e6) * 1e-6
-    best = 0
-    for i, rows in enumerate(PROBE_ROWS):
-        if sum(m.probe_s[i][0] for m in layers) >= sum(m.probe_s[i][1] for m in layers) + allowance_s * rows:
-            break
-        best = rows
-    return best
+    summed = tuple((sum(m.probe_s[i][0] for m in layers), sum(m.probe_s[i][1] for m in layers))
+                   for i in range(len(PROBE_ROWS)))
+    return rows_within(summed, allowance_s)
 
 
 def _available_memory() -> int | None:
@@ -259,22 +254,21 @@ def calibrate(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict[tupl
     unique = {m.weight.data_ptr(): m.weight.numel() * m.weight.element_size() for m in layers}
     working_set = min(sum(unique.values()), _COLD_BYTES)
     measured: dict[str, ProbeTimes] = {}
-    by_shape: dict[tuple[int, int, str], int] = {}
     times_by_shape: dict[tuple[int, int, str], ProbeTimes] = {}
     for layer in layers:
         shape = (layer.out_features, layer.in_features, str(layer.weight.dtype).removeprefix("torch."))
-        if shape not in by_shape:
+        if shape not in times_by_shape:
             onednn = layer.onednn is not None
             key = calibration_cache.entry_key(*shape, layer.bias is not None, torch.get_num_threads(), onednn,
                                               str(dtype).removeprefix("torch."), working_set)
             times = stored.get(key)
             if times is None or len(times) != len(PROBE_ROWS):
                 times = measured[key] = probe_times(layer.weight, layer.bias, onednn, dtype, working_set)
-            by_shape[shape] = rows_within(times)
             times_by_shape[shape] = times
-        layer.kernel_max_rows = by_shape[shape]
         layer.probe_s = times_by_shape[shape]
+        layer.kernel_max_rows = rows_within(layer.probe_s)
     calibration_cache.store(path, measured)
+    by_shape = {shape: rows_within(times) for shape, times in times_by_shape.items()}
     logger.info("linear kernel chosen by measurement (%.1f s; %d of %d shapes read from %s): up to %s rows "
                 "per (out, in, weight dtype)", time.perf_counter() - start, len(by_shape) - len(measured),
                 len(by_shape), path, by_shape)

@@ -129,9 +129,10 @@ def build_native_stack(config: DecoderConfig, layers: nn.ModuleList, final_norm:
     """The native stack for these layers, or None (logged) where it would not compute what they do.
 
     It takes rows up to where every layer's kernel beat the GEMM or, further, up to where the
-    kernel's time summed over the layers and the LM head stays within the round tolerance
-    (fast_linear.round_max_rows: a round on the stack runs on spindle's pool, out of OpenMP's
-    barriers); the LM head then runs the kernel as far, so that such a round stays on the pool."""
+    kernel's time summed over the layers and the LM head stays within the GEMM's plus an
+    allowance a row (fast_linear.round_max_rows: a round on the stack runs on spindle's pool, out
+    of OpenMP's barriers); the LM head then runs the kernel as far, so that such a round stays on
+    the pool."""
     linears = [m for m in layers.modules() if isinstance(m, FastLinear)]
     reason = _unsupported(config, layers, linears)
     if reason is not None:

@@ -29,9 +29,9 @@ constexpr int64_t kWideLayer = 16 * kOutputBlock;  // from this many features on
 constexpr int64_t kPrefetchLines = 8;   // how far ahead W's rows are prefetched, in 64-byte lines
 
 // Rows [m0, m0 + 16 G) x F features into yt ([F][ldx]). xt: x^T ([K][ldx], rows padded with
-// zeros); w: the F rows of W, `ldw` apart.
+// zeros); w: the F rows of W ([F][K]).
 template <int G, int F>
-inline void tile(const float* xt, int64_t ldx, const float* w, int64_t ldw, float* yt, int64_t K, int64_t m0) {
+inline void tile(const float* xt, int64_t ldx, const float* w, float* yt, int64_t K, int64_t m0) {
   __m512 acc[G][F];
   for (int g = 0; g < G; ++g)
     for (int f = 0; f < F; ++f) acc[g][f] = _mm512_setzero_ps();
@@ -40,7 +40,7 @@ inline void tile(const float* xt, int64_t ldx, const float* w, int64_t ldw, floa
     __m512 xv[G];
     for (int g = 0; g < G; ++g) xv[g] = _mm512_loadu_ps(xk + k * ldx + g * kLanes);
     for (int f = 0; f < F; ++f) {
-      const __m512 wv = _mm512_set1_ps(w[f * ldw + k]);
+      const __m512 wv = _mm512_set1_ps(w[f * K + k]);
       for (int g = 0; g < G; ++g) acc[g][f] = _mm512_fmadd_ps(xv[g], wv, acc[g][f]);
     }
   };
@@ -49,7 +49,7 @@ inline void tile(const float* xt, int64_t ldx, const float* w, int64_t ldw, floa
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
     for (int f = 0; f < F; ++f)
-      _mm_prefetch(reinterpret_cast<const char*>(w + f * ldw + k + kPrefetchLines * kLanes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + f * K + k + kPrefetchLines * kLanes), _MM_HINT_T0);
     for (int64_t j = 0; j < kLanes; ++j) step(k + j);
   }
   for (; k < K; ++k) step(k);
@@ -59,27 +59,26 @@ inline void tile(const float* xt, int64_t ldx, const float* w, int64_t ldw, floa
 
 // Every row group against F features: tiles of up to 24 / F groups, W's F rows re-read from L1.
 template <int F>
-void feature_tile(const float* xt, int64_t ldx, int64_t groups, const float* w, int64_t ldw, float* yt, int64_t K) {
+void feature_tile(const float* xt, int64_t ldx, int64_t groups, const float* w, float* yt, int64_t K) {
   constexpr int64_t kGroupsPerTile = std::min<int64_t>(kMaxGroups, kAccumulators / F);
   for (int64_t g0 = 0; g0 < groups; g0 += kGroupsPerTile) {
     const int64_t m0 = g0 * kLanes;
     switch (std::min(kGroupsPerTile, groups - g0)) {
-      case 1: tile<1, F>(xt, ldx, w, ldw, yt, K, m0); break;
-      case 2: if constexpr (2 * F <= kAccumulators) tile<2, F>(xt, ldx, w, ldw, yt, K, m0); break;
-      case 3: if constexpr (3 * F <= kAccumulators) tile<3, F>(xt, ldx, w, ldw, yt, K, m0); break;
-      default: if constexpr (4 * F <= kAccumulators) tile<4, F>(xt, ldx, w, ldw, yt, K, m0); break;
+      case 1: tile<1, F>(xt, ldx, w, yt, K, m0); break;
+      case 2: if constexpr (2 * F <= kAccumulators) tile<2, F>(xt, ldx, w, yt, K, m0); break;
+      case 3: if constexpr (3 * F <= kAccumulators) tile<3, F>(xt, ldx, w, yt, K, m0); break;
+      default: if constexpr (4 * F <= kAccumulators) tile<4, F>(xt, ldx, w, yt, K, m0); break;
     }
   }
 }
 
-// nf <= 24 features (W's rows from `w`, `ldw` apart) in tiles of F features (the last ones one
-// at a time), into yt ([nf][ldx]).
+// nf <= 24 features (W's rows from `w`, [nf][K]) in tiles of F features (the last ones one at
+// a time), into yt ([nf][ldx]).
 template <int F>
-void feature_block(const float* xt, int64_t ldx, int64_t groups, const float* w, int64_t ldw, int64_t nf, int64_t K,
-                   float* yt) {
+void feature_block(const float* xt, int64_t ldx, int64_t groups, const float* w, int64_t nf, int64_t K, float* yt) {
   int64_t f = 0;
-  for (; f + F <= nf; f += F) feature_tile<F>(xt, ldx, groups, w + f * ldw, ldw, yt + f * ldx, K);
-  for (; f < nf; ++f) feature_tile<1>(xt, ldx, groups, w + f * ldw, ldw, yt + f * ldx, K);
+  for (; f + F <= nf; f += F) feature_tile<F>(xt, ldx, groups, w + f * K, yt + f * ldx, K);
+  for (; f < nf; ++f) feature_tile<1>(xt, ldx, groups, w + f * K, yt + f * ldx, K);
 }
 
 // xt[k][m] = x[m][k] for m < M, zeros for the padding rows up to ldx; 16 k at a time so the
@@ -111,9 +110,9 @@ void output_block(const float* xt, int64_t ldx, int64_t groups, const W* w, cons
     float* staged = yt + (f0 - first) * ldx;
     switch (tile_groups) {
       case 1:
-      case 2: feature_block<12>(xt, ldx, groups, rows, K, nf, K, staged); break;
-      case 3: feature_block<8>(xt, ldx, groups, rows, K, nf, K, staged); break;
-      default: feature_block<6>(xt, ldx, groups, rows, K, nf, K, staged); break;
+      case 2: feature_block<12>(xt, ldx, groups, rows, nf, K, staged); break;
+      case 3: feature_block<8>(xt, ldx, groups, rows, nf, K, staged); break;
+      default: feature_block<6>(xt, ldx, groups, rows, nf, K, staged); break;
     }
   }
   for (int64_t m = 0; m < M; ++m) {

@@ -219,7 +219,7 @@ void work_pool_enter() {
   if (scope_depth++ == 0) {
     open_scopes.fetch_add(1, std::memory_order_relaxed);
     scope_threads = at::get_num_threads();
-    omp_set_num_threads(1);
+    if (!pool_disabled()) omp_set_num_threads(1);  // disabled, OpenMP keeps every thread
   }
 }
 
