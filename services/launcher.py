@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from services.cpu_affinity import CorePlan, format_cores, plan_cores, worker_env
 from shared.api_keys import ApiKeys
-from shared.ports import free_port
+from shared.ports import distinct_free_ports
 from shared.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
@@ -154,8 +154,10 @@ class Launcher:
 
     def start(self) -> None:
         cfg = self.config
-        worker_addrs = [f"127.0.0.1:{free_port()}" for _ in range(cfg.num_workers)]
-        scheduler_addr = f"127.0.0.1:{free_port()}"
+        # Not the frontend's own ports: they are free until the frontend binds them.
+        *worker_ports, scheduler_port = distinct_free_ports(cfg.num_workers + 1, frozenset((cfg.port, cfg.grpc_port)))
+        worker_addrs = [f"127.0.0.1:{port}" for port in worker_ports]
+        scheduler_addr = f"127.0.0.1:{scheduler_port}"
         plan = cfg.core_plan()
         if plan.is_pinned:
             logger.info("cpu affinity %s: workers on %s, frontend and scheduler on %s", cfg.cpu_affinity,

@@ -154,6 +154,11 @@ async def start_grpc(
     options = dict(GRPC_OPTIONS)  # (gRPC takes the first of two equal keys, so replace, never append)
     if max_receive_bytes is not None:
         options["grpc.max_receive_message_length"] = max_receive_bytes
+    # gRPC binds with SO_REUSEPORT by default: a second server on a taken port then starts
+    # without error and the kernel splits connections between the two. A benchmark run saw its
+    # frontend's gRPC port chosen again for the scheduler: the frontend's calls to "the
+    # scheduler" reached the frontend itself (UNIMPLEMENTED) until the health wait gave up.
+    options["grpc.so_reuseport"] = 0
     server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()], options=list(options.items()))
     register(server)
     health_servicer = health.aio.HealthServicer()

@@ -60,3 +60,18 @@ def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
         if base + count <= 65536 and all(is_free(port, host) for port in range(base, base + count)):
             return base
     raise OSError(f"no run of {count} free ports on {host}")
+
+
+def distinct_free_ports(count: int, exclude: frozenset[int] = frozenset(), host: str = "127.0.0.1") -> list[int]:
+    """`count` different free ports, none in `exclude` (ports already promised to other servers,
+    which are free now only because those servers have not bound them yet)."""
+    chosen: list[int] = []
+    for _ in range(_ATTEMPTS):
+        if len(chosen) == count:
+            break
+        port = free_port(host)
+        if port not in exclude and port not in chosen:
+            chosen.append(port)
+    if len(chosen) < count:
+        raise OSError(f"no {count} distinct free ports on {host}")
+    return chosen

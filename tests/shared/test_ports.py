@@ -41,3 +41,9 @@ def test_no_room_outside_the_range_falls_back_to_the_kernels_choice(
     assert ports.is_free(ports.free_port())
     monkeypatch.setattr(ports, "EPHEMERAL_RANGE_FILE", tmp_path / "missing")
     assert ports.ephemeral_range() == ports.LINUX_DEFAULT_EPHEMERAL
+
+
+def test_distinct_ports_skip_each_other_and_the_excluded(monkeypatch: pytest.MonkeyPatch) -> None:
+    picks = iter([20001, 20001, 20002, 20003, 20004])  # a repeat, then a port promised elsewhere
+    monkeypatch.setattr(ports, "free_port", lambda host="127.0.0.1": next(picks))
+    assert ports.distinct_free_ports(3, frozenset({20002})) == [20001, 20003, 20004]
