@@ -300,8 +300,12 @@ class EngineLoop:
         for index, request_ids in scheduler.take_aborts().items():
             if self._send_aborts:
                 self.links[index].abort(request_ids)
-        for index, rnd in scheduler.schedule().items():
-            self.links[index].send(rnd)
+        # Until every worker's round slots are full or it has no more work: one round per wake-up
+        # left 1-step rounds unpipelined (the second slot filled only when an add or abort woke
+        # the loop), so the worker idled through every scheduler round trip.
+        while rounds := scheduler.schedule():
+            for index, rnd in rounds.items():
+                self.links[index].send(rnd)
         self._maybe_log_stats()
 
     def _deliver(self, sink: UpdateSink, sampled_unix_ns: int = 0) -> None:

@@ -1,11 +1,14 @@
 """`choose_num_steps`: how many forward passes the next round of one worker runs.
 
 Policy (multi-step, RFC 6854 taken further: it works together with chunked prefill):
-  * 1 step while a prefill is chunked: a running request is mid-prefill, or the head of the
-    waiting queue cannot be prefilled whole within this round's token budget. Each chunk
-    then follows the last without waiting n steps.
-  * otherwise n = num_scheduler_steps, and waiting requests whose whole prompt fits in the
-    budget are admitted into step 0 of that round: they prefill, sample, and decode in steps
+  * 1 step while a prefill is chunked or admissions are pending: a running request is
+    mid-prefill, or the waiting queue's prompts cannot all be prefilled within this round's
+    token budget. Each chunk then follows the last, and each admission the one before it,
+    without waiting n steps. (Testing only the head admitted one prompt per n-step round
+    while the queue was longer than a step's budget; at 64 streams the queue grew and the
+    batch shrank.)
+  * otherwise n = num_scheduler_steps, and the waiting requests, whole prompts that fit the
+    budget, are admitted into step 0 of that round: they prefill, sample, and decode in steps
     1..n-1 like everyone else. A new request therefore waits at most for the rounds already
     in flight (max_inflight_rounds x n steps) before its first token, so TTFT stays bounded
     by n, while the batch keeps decoding n steps per round trip under steady arrivals.
@@ -65,8 +68,8 @@ def choose_num_steps(ws: WorkerState, num_scheduler_steps: int, max_num_seqs: in
     if can_admit_now(ws, max_num_seqs, enable_priority_preemption):
         head = ws.waiting.peek()
         # Decodes take one token each from the budget; the rest is for whole prefills.
-        if head.num_tokens > token_budget - len(ws.running):
-            return 1  # the head needs chunking
+        if ws.waiting.num_tokens > token_budget - len(ws.running):
+            return 1  # the queue outlasts step 0: admit (and chunk) every step until it is in
         wanted = max(wanted, head.sampling.max_tokens - head.num_output_tokens)
         room = min(room, max_model_len - head.num_tokens + 1)
     return max(1, min(num_scheduler_steps, wanted, room))

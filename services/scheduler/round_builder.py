@@ -47,13 +47,17 @@ def step_token_budget(ws: WorkerState, config: SchedulerConfig, max_model_len: i
     """Tokens step 0 of the next round may compute: fewer while requests decode.
 
     A step's time grows with its tokens on a CPU, so a step that prefills 2,048 prompt tokens
-    beside 16 decodes stalls those 16 streams for ~100 decode steps' worth of time. While D
-    requests decode, the step is held to D x max_step_tokens_per_decode tokens (at least
-    MIN_STEP_TOKENS_WHILE_DECODING): every step still gives each stream its token, and an
-    inter-token gap stays within about that factor of a plain decode step. Sized by the
-    streams decoding now, not by those still waiting, which would let a burst's first steps
-    stall its first few streams for the whole batch's worth. Only a waiting queue or a
-    chunked prefill makes the cap matter, so the count is skipped otherwise.
+    beside 16 decodes stalls those 16 streams for ~100 decode steps' worth of time. While
+    requests decode, the step is held to S x max_step_tokens_per_decode tokens (at least
+    MIN_STEP_TOKENS_WHILE_DECODING), S the streams decoding now plus those waiting (at most
+    max_num_seqs): every step still gives each stream its token, and an inter-token gap stays
+    within about that factor of a decode step of the batch the worker runs once the queue is
+    in, which is what sets the median gap. Sized by the decoding streams alone, a burst's
+    first admissions held every later step to 3 tokens per stream already in: 16 streams let
+    48 tokens of prompt through per step, so the other 48 of a 64-request burst took ~90
+    one-step rounds to get in, and the batch ran small meanwhile (small model, 64 streams:
+    -10 % output tokens/s against this sizing, at the same inter-token p99). Only a waiting
+    queue or a chunked prefill makes the cap matter, so the count is skipped otherwise.
     """
     budget = config.max_num_batched_tokens
     per_decode = config.max_step_tokens_per_decode
@@ -70,7 +74,8 @@ def step_token_budget(ws: WorkerState, config: SchedulerConfig, max_model_len: i
             num_decoding += 1
     if not num_decoding or not prefill_pending:
         return budget
-    return min(budget, max(num_decoding * per_decode, MIN_STEP_TOKENS_WHILE_DECODING))
+    num_streams = min(num_decoding + len(ws.waiting), config.max_num_seqs)
+    return min(budget, max(num_streams * per_decode, MIN_STEP_TOKENS_WHILE_DECODING))
 
 
 class _Plan:

@@ -167,8 +167,9 @@ def _run_all(sched: Scheduler, worker: FakeWorker, sink: UpdateSink, *rounds: Ex
             sched.update_from_output(0, out, sink)
 
 
-def test_a_burst_of_prefills_is_held_to_a_few_tokens_per_decoding_stream() -> None:
-    """While D streams decode, a step carries at most D x 3 tokens: the burst waits its turn."""
+def test_a_burst_of_prefills_is_held_to_a_few_tokens_per_stream() -> None:
+    """While streams decode, a step carries at most 3 tokens per stream decoding or waiting:
+    the burst goes in over several steps, sized by the batch it makes, not the one before it."""
     sched, [worker] = _make(num_blocks=1024, max_num_batched_tokens=2048, max_num_seqs=256,
                             max_step_tokens_per_decode=3)
     sink = UpdateSink()
@@ -177,14 +178,32 @@ def test_a_burst_of_prefills_is_held_to_a_few_tokens_per_decoding_stream() -> No
     _run_all(sched, worker, sink, sched.schedule()[0])  # 32 prefills in one step: nobody decodes yet
     for i in range(40):  # distinct first tokens: no prefix-cache hits
         sched.add_request(_req(f"burst{i}", [200 + i, *range(4, 103)], max_tokens=4), sink)
-    steps: list[tuple[int, int]] = []  # (tokens, decodes) per step while the burst prefills
+    steps: list[tuple[int, int]] = []  # (tokens, streams decoding or waiting) per step while the burst prefills
     while any(r.request_id.startswith("burst") and r.num_computed_tokens < 100 for r in sched.requests.values()):
+        num_waiting = len(sched.workers[0].waiting)
         rnd = sched.schedule()[0]
-        steps.append((sum(rnd.num_scheduled_tokens), rnd.num_scheduled_tokens.count(1)))
+        assert rnd.num_steps == 1, "admissions pending: every step admits"
+        steps.append((sum(rnd.num_scheduled_tokens), rnd.num_scheduled_tokens.count(1) + num_waiting))
         _run_all(sched, worker, sink, rnd)
-    assert steps[0] == (96, 32), "the budget is used in full while the burst waits"
-    assert all(tokens <= 3 * decodes for tokens, decodes in steps), f"a step stalled the decoding streams: {steps}"
-    assert len(steps) > 4000 // 96, "the 4,000 burst tokens went through in small steps (2 without the cap)"
+    assert steps[0] == (3 * 72, 72), "the budget is used in full while the burst waits"
+    assert all(tokens <= 3 * streams for tokens, streams in steps), f"a step stalled the decoding streams: {steps}"
+    assert len(steps) > 4000 // (3 * 72), "the 4,000 burst tokens went through in held steps (2 without the cap)"
+
+
+def test_a_queue_longer_than_the_step_is_admitted_in_one_step_rounds() -> None:
+    """Two prompts that each fit the budget but not together: a 1-step round takes one whole and
+    the other's first chunk, rather than an n-step round that leaves the second waiting n steps."""
+    sched, [worker] = _make(num_scheduler_steps=8, max_num_batched_tokens=16)
+    sink = UpdateSink()
+    sched.add_request(_req("a", [5, 6, 7], max_tokens=50), sink)
+    _run_all(sched, worker, sink, sched.schedule()[0])
+    sched.add_request(_req("b", list(range(10, 20)), max_tokens=50), sink)
+    sched.add_request(_req("c", list(range(30, 40)), max_tokens=50), sink)
+    rnd = sched.schedule()[0]
+    assert rnd.num_steps == 1
+    assert [n.request_id for n in rnd.new_requests] == ["b", "c"] and rnd.num_scheduled_tokens == [10, 5, 1]
+    _run_all(sched, worker, sink, rnd)
+    assert sched.schedule()[0].num_steps == 1, "c is mid-prefill"
 
 
 def test_without_the_cap_a_burst_fills_the_step_budget() -> None:
