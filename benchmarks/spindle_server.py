@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from shared.ports import free_port
+from shared.ports import distinct_free_ports
 from tests.e2e.server import RunningServer, _wait_healthy
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ def spindle_server(model_dir: Path, *extra_args: str, num_threads: int, log_path
 
     Raises AssertionError (from the harness) if the server exits or is not healthy in `timeout_s`.
     """
-    http_port, grpc_port = free_port(), free_port()
+    http_port, grpc_port = distinct_free_ports(2)
     cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
            "--port", str(http_port), "--grpc-port", str(grpc_port), *extra_args]
     env = {**os.environ, "OMP_NUM_THREADS": str(num_threads),

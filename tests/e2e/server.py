@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from shared.ports import free_port
+from shared.ports import distinct_free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,7 +38,7 @@ def spindle_serve(model_dir: Path, *extra_args: str, timeout_s: float = 180.0,
 
     `scheme="https"` when `extra_args` turn TLS on (--tls-cert-file, --tls-key-file).
     """
-    http_port, grpc_port = free_port(), free_port()
+    http_port, grpc_port = distinct_free_ports(2)
     cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
            "--port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", "0", *extra_args]
     # One torch thread a worker and no pinning: tests share the machine with the oracle they compare against.
@@ -139,9 +139,9 @@ def spindle_services(model_dir: Path, worker_args: tuple[str, ...] = (), schedul
                      num_workers: int = 1, timeout_s: float = 180.0) -> Iterator[StandaloneServices]:
     """Run `spindle worker`, `spindle scheduler` and `spindle frontend` as separate processes."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SPINDLE_LOG_LEVEL": os.environ.get("SPINDLE_LOG_LEVEL", "WARNING")}
-    workers = [f"127.0.0.1:{free_port()}" for _ in range(num_workers)]
-    scheduler = f"127.0.0.1:{free_port()}"
-    http_port, grpc_port = free_port(), free_port()
+    *worker_ports, scheduler_port, http_port, grpc_port = distinct_free_ports(num_workers + 3)
+    workers = [f"127.0.0.1:{port}" for port in worker_ports]
+    scheduler = f"127.0.0.1:{scheduler_port}"
     cli = [sys.executable, "-m", "services.cli"]
     commands = [[*cli, "worker", "--model", str(model_dir), "--listen", addr, *worker_args] for addr in workers]
     commands.append([*cli, "scheduler", "--listen", scheduler, "--workers-addr", ",".join(workers), *scheduler_args])

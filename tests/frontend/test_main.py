@@ -17,7 +17,7 @@ from services.frontend.__main__ import add_arguments, config_from_args
 from services.frontend.messages import ChatMessage
 from services.frontend.tokenizer import Tokenizer
 from shared.errors import InvalidArgumentError
-from shared.ports import free_port
+from shared.ports import distinct_free_ports
 from tests.frontend.fake_scheduler import FakeScheduler
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,7 +48,7 @@ async def test_chat_without_template_is_a_clear_invalid_argument(tokenizer_dir: 
 
 async def test_process_serves_once_scheduler_ready_and_stops_on_sigterm(
         tokenizer_dir: Path, fake: FakeScheduler, scheduler_addr: str) -> None:
-    http_port, grpc_port = free_port(), free_port()
+    http_port, grpc_port = distinct_free_ports(2)
     fake.ready = False
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "services.frontend", "--model", str(tokenizer_dir), "--scheduler-addr", scheduler_addr,
