@@ -26,8 +26,9 @@ class SchedulerConfig:
         max_num_seqs: most requests holding KV blocks on one worker at once.
         max_num_batched_tokens: most tokens computed in step 0 of one round on one worker.
         num_scheduler_steps: decode steps per round when no prefill is pending (multi-step).
-        max_step_tokens_per_decode: while D requests decode on a worker, step 0 of its round
-            computes at most max(D x this, MIN_STEP_TOKENS_WHILE_DECODING) tokens, so a burst of
+        max_step_tokens_per_decode: while requests decode on a worker, step 0 of its round
+            computes at most max(S x this, MIN_STEP_TOKENS_WHILE_DECODING) tokens, S the streams
+            decoding or waiting there (at most max_num_seqs), so a burst of
             prefills stalls the streams already running for about this many decode steps at
             most (0 = off: max_num_batched_tokens alone). On a CPU a step's time grows with its
             tokens, so this bounds inter-token latency (round_builder.step_token_budget).
