@@ -58,8 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--num-scheduler-steps", "NUM_SCHEDULER_STEPS", defaults.num_scheduler_steps,
          "decode steps per round when no prefill is pending (multi-step)"),
         ("--max-step-tokens-per-decode", "MAX_STEP_TOKENS_PER_DECODE", defaults.max_step_tokens_per_decode,
-         "while requests decode, a step computes at most S x this tokens, S the streams decoding or waiting (bounds the stall a burst of "
-         "prefills causes; 0 = off)"),
+         "while requests decode, a step computes at most S x this tokens, S the streams decoding or waiting "
+         "(bounds the stall a burst of prefills causes; 0 = off)"),
         ("--max-inflight-rounds", "MAX_INFLIGHT_ROUNDS", defaults.max_inflight_rounds,
          "rounds sent ahead to a worker (2 = pipelined)"),
         ("--pipeline-quiet-rounds", "PIPELINE_QUIET_ROUNDS", defaults.pipeline_quiet_rounds,
