@@ -159,6 +159,13 @@ def test_round_rows_come_from_the_layers_summed_times(monkeypatch: pytest.Monkey
     assert round_max_rows([fast, FastLinear(8, 8)]) == 0, "a layer without timings: no round rows"
 
 
+@pytest.mark.parametrize("value", ["ten", "-5", "nan"])
+def test_a_malformed_round_allowance_names_the_variable(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(fast_linear.ROUND_ALLOWANCE_ENV, value)
+    with pytest.raises(ValueError, match=fast_linear.ROUND_ALLOWANCE_ENV):
+        fast_linear.round_allowance_s()
+
+
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
 

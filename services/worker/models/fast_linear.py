@@ -173,12 +173,27 @@ def rows_within(times: ProbeTimes, allowance_s: float = 0.0) -> int:
     return best
 
 
+def round_allowance_s() -> float:
+    """ROUND_ALLOWANCE_S, or the operator's SPINDLE_ROUND_ALLOWANCE_US (a worker with a malformed
+    value stops at start-up with an error that names the variable)."""
+    value = os.environ.get(ROUND_ALLOWANCE_ENV, "").strip()
+    if not value:
+        return ROUND_ALLOWANCE_S
+    try:
+        allowance_us = float(value)
+    except ValueError:
+        allowance_us = -1.0
+    if not allowance_us >= 0:  # also NaN
+        raise ValueError(f"{ROUND_ALLOWANCE_ENV}={value!r} must be a number of microseconds >= 0")
+    return allowance_us * 1e-6
+
+
 def round_max_rows(layers: list[FastLinear]) -> int:
     """The largest probe row count up to which the layers' summed kernel time stays within their
     summed GEMM time plus ROUND_ALLOWANCE_S a row, at every probe; 0 where some layer was not timed."""
     if not layers or any(len(m.probe_s) != len(PROBE_ROWS) for m in layers):
         return 0
-    allowance_s = float(os.environ.get(ROUND_ALLOWANCE_ENV) or ROUND_ALLOWANCE_S * 1e6) * 1e-6
+    allowance_s = round_allowance_s()
     summed = tuple((sum(m.probe_s[i][0] for m in layers), sum(m.probe_s[i][1] for m in layers))
                    for i in range(len(PROBE_ROWS)))
     return rows_within(summed, allowance_s)
