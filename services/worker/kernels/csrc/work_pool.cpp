@@ -30,6 +30,20 @@
 // OMP_WAIT_POLICY=PASSIVE (OpenMP threads sleep between regions) halved the small model's
 // stream (140-213 tok/s: a futex wake per region); GOMP_SPINCOUNT=10000 (OpenMP spins ~250 us)
 // lost 5-26 % at 64 streams in 5 of 6 pairs.
+//
+// Served, a one-stream step of the small model takes ~2x its in-process time (2-core AMD EPYC
+// Zen 4, 2026-11-29: 1.4 against 0.69 ms). Not because a helper that loses its core holds a
+// claimed chunk: counted in run(), the caller waited for one in 24 % of calls, 3 us on average
+// (49 ms of a 5.7 s run). The compute thread itself is runnable but off its core 22 % of the
+// time (/proc/<tid>/schedstat), behind the worker's event loop, the load client and the host
+// services, which together want about as much CPU a token as the step. Also tried there and not
+// kept (`benchmarks.run --models small --concurrency 1,64`, pairs interleaved, tok/s):
+// helpers that sched_yield() while they wait for the next call (one stream 594-637 against
+// 652-744); helpers at SCHED_IDLE, which any host service preempts at once (64 streams 3,769 /
+// 3,530 against 3,728 / 3,287, one stream 725 / 743 against 749 / 722, medium model one stream
+// 65.2 / 67.4 against 69.0 / 67.8: a wash); SPINDLE_NUM_THREADS=1, which leaves the second core
+// to the host (one stream 660 / 688 against 749 / 722, 64 streams 3,214 / 2,976 against 3,728 /
+// 3,287).
 
 #include "work_pool.h"
 
