@@ -146,12 +146,12 @@ def test_rows_where_the_kernel_wins() -> None:
 
 
 def test_round_rows_come_from_the_layers_summed_times(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Summed over the layers, the kernel may take up to 10 us a row more than the GEMM."""
+    """Summed over the layers, the kernel may take up to 20 us a row more than the GEMM."""
     fast, slow = FastLinear(8, 8), FastLinear(8, 8)
     fast.probe_s = tuple((1e-3, 3e-3) for _ in PROBE_ROWS)
     slow.probe_s = tuple((3e-3 if r >= 64 else 0.5e-3, 1e-3) for r in PROBE_ROWS)  # 2 ms behind from 64 rows
     assert round_max_rows([fast, slow]) == PROBE_ROWS[-1], "summed: a tie, within the allowance"
-    assert round_max_rows([slow]) == 32, "2 ms behind at 64 rows: more than 64 x 10 us"
+    assert round_max_rows([slow]) == 32, "2 ms behind at 64 rows: more than 64 x 20 us"
     monkeypatch.setenv(fast_linear.ROUND_ALLOWANCE_ENV, "40")
     assert round_max_rows([slow]) == PROBE_ROWS[-1], "2 ms within 64 x 40 us"
     monkeypatch.setenv(fast_linear.ROUND_ALLOWANCE_ENV, "0")

@@ -59,9 +59,14 @@ ONEDNN_MAX_MEMORY_SHARE = 0.5  # packed copies may take at most this share of Me
 # ROUND_ALLOWANCE_S per row (`round_max_rows`; summed, as single layers' probes are noisy on a
 # host whose memory speed moves). Measured, 2-core AMD EPYC (Zen 5), 64 streams served: the
 # small model on the kernel up to 256 rows gained +15-17 % (~27 us a token), the medium model
-# on it up to 128 rows lost 2-6 % (its kernel ~19 us a row behind at 64 rows); 10 us keeps the
-# small model's 128 rows and the medium model's 32-64 (its calibrations vary).
-ROUND_ALLOWANCE_S = 10e-6
+# on it up to 128 rows lost 2-6 % (its kernel ~19 us a row behind at 64 rows); 10 us kept the
+# small model's 128 rows and the medium model's 32-64 (its calibrations vary). On a Zen 4
+# (2026-11-29) 10 us left the small model at 8 rows (its kernel 15 us a row behind at 16 rows,
+# 6-10 at 32-128): on the kernel up to 256 rows it ran 3,784 against 3,197 out tok/s on average
+# over 8 interleaved pairs at 64 streams (6 won; ITL p50 ~12 against ~16 ms), one stream
+# unchanged; the medium model stayed at 8 rows (220 us a row behind at 16), where forcing it
+# to 256 lost 10 % (404 / 396 against 354 / 362). So 20 us.
+ROUND_ALLOWANCE_S = 20e-6
 ROUND_ALLOWANCE_ENV = "SPINDLE_ROUND_ALLOWANCE_US"  # overrides it, in microseconds; 0: the kernel must win
 _REPEATS = 3
 _SAMPLE_S = 1e-3  # calls per timing sample: enough to fill this many seconds
