@@ -43,6 +43,25 @@ def test_kernel_equals_f_linear(rows: int, out_features: int, in_features: int, 
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize(("rows", "out_features", "in_features"),
+                         [(8, 97, 19), (16, 96, 256), (17, 200, 75), (64, 385, 300), (65, 100, 33), (130, 50, 16),
+                          (64, 24, 1)])
+def test_bf16_activations_and_weights_match_a_float64_reference(rows: int, out_features: int,
+                                                                 in_features: int) -> None:
+    """A --dtype bfloat16 model's linear layers: bf16 x and W (on AVX512-BF16 the tiles take k in
+    pairs, vdpbf16ps; odd K pairs its last k with zero); within one bf16 rounding of the exact
+    result, as a native bf16 GEMM is."""
+    gen = torch.Generator().manual_seed(rows * 7 + in_features)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+    for b in (bias, None):
+        exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        got = torch.ops.spindle.linear_small_m(x, weight, b)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-5 * in_features)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_one_row_is_the_same_at_any_thread_count(threads: int) -> None:
     """Output features are split across torch's threads: every feature is computed exactly once,
@@ -146,12 +165,12 @@ def test_rows_where_the_kernel_wins() -> None:
 
 
 def test_round_rows_come_from_the_layers_summed_times(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Summed over the layers, the kernel may take up to 20 us a row more than the GEMM."""
+    """Summed over the layers, the kernel may take up to 30 us a row more than the GEMM."""
     fast, slow = FastLinear(8, 8), FastLinear(8, 8)
     fast.probe_s = tuple((1e-3, 3e-3) for _ in PROBE_ROWS)
     slow.probe_s = tuple((3e-3 if r >= 64 else 0.5e-3, 1e-3) for r in PROBE_ROWS)  # 2 ms behind from 64 rows
     assert round_max_rows([fast, slow]) == PROBE_ROWS[-1], "summed: a tie, within the allowance"
-    assert round_max_rows([slow]) == 32, "2 ms behind at 64 rows: more than 64 x 20 us"
+    assert round_max_rows([slow]) == 32, "2 ms behind at 64 rows: more than 64 x 30 us"
     monkeypatch.setenv(fast_linear.ROUND_ALLOWANCE_ENV, "40")
     assert round_max_rows([slow]) == PROBE_ROWS[-1], "2 ms within 64 x 40 us"
     monkeypatch.setenv(fast_linear.ROUND_ALLOWANCE_ENV, "0")

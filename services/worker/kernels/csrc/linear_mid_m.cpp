@@ -8,6 +8,9 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
 #include <cstdint>
 #include <vector>
 
@@ -57,9 +60,63 @@ inline void tile(const float* xt, int64_t ldx, const float* w, float* yt, int64_
     for (int f = 0; f < F; ++f) _mm512_storeu_ps(yt + f * ldx + m0 + g * kLanes, acc[g][f]);
 }
 
+#ifdef __AVX512BF16__
+// Pairs path (bf16 x and W, AVX512-BF16): xt holds x^T in k pairs ([ceil(K/2)][ldx] dwords, the
+// low half k = 2p, the high half 2p + 1), so one vdpbf16ps takes two k of 16 rows against a
+// 32-bit broadcast of W's adjacent (2p, 2p + 1) read in place: half the instructions of the fp32
+// tile and no widened copy of W. Products of bf16 values are exact in fp32, as in the fp32 tile;
+// only the order of the sums differs (k pairs).
+inline int bf16_pair(const c10::BFloat16* w) {
+  int pair;
+  std::memcpy(&pair, w, sizeof(pair));  // (w[0], w[1]), little-endian: w[0] in the low half
+  return pair;
+}
+
+template <int G, int F>
+inline void tile(const uint32_t* xt, int64_t ldx, const c10::BFloat16* w, float* yt, int64_t K, int64_t m0) {
+  __m512 acc[G][F];
+  for (int g = 0; g < G; ++g)
+    for (int f = 0; f < F; ++f) acc[g][f] = _mm512_setzero_ps();
+  const uint32_t* xp = xt + m0;
+  const auto step = [&](int64_t p, bool last_odd) {
+    __m512i xv[G];
+    for (int g = 0; g < G; ++g) xv[g] = _mm512_loadu_si512(xp + p * ldx + g * kLanes);
+    for (int f = 0; f < F; ++f) {
+      const c10::BFloat16* wk = w + f * K + 2 * p;
+      const __m512i wv = _mm512_set1_epi32(last_odd ? int{wk[0].x} : bf16_pair(wk));  // an odd K's last k pairs with 0
+      for (int g = 0; g < G; ++g) acc[g][f] = _mm512_dpbf16_ps(acc[g][f], (__m512bh)xv[g], (__m512bh)wv);
+    }
+  };
+  const int64_t pairs = K / 2;
+  int64_t p = 0;
+  for (; p + kLanes <= pairs; p += kLanes) {  // 16 pairs: one 64-byte line of each W row
+    for (int f = 0; f < F; ++f)
+      _mm_prefetch(reinterpret_cast<const char*>(w + f * K + 2 * p + kPrefetchLines * 2 * kLanes), _MM_HINT_T0);
+    for (int64_t j = 0; j < kLanes; ++j) step(p + j, false);
+  }
+  for (; p < pairs; ++p) step(p, false);
+  if (K % 2 != 0) step(pairs, true);
+  for (int g = 0; g < G; ++g)
+    for (int f = 0; f < F; ++f) _mm512_storeu_ps(yt + f * ldx + m0 + g * kLanes, acc[g][f]);
+}
+
+// xt[p][m] = (x[m][2p], x[m][2p + 1]) as bf16 (exact: x holds bf16 values), zeros past M and K.
+void transpose_pairs(const float* x, uint32_t* xt, int64_t M, int64_t K, int64_t ldx) {
+  const int64_t pairs = (K + 1) / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    for (int64_t m = 0; m < M; ++m) {
+      const uint32_t lo = c10::BFloat16(x[m * K + 2 * p]).x;
+      const uint32_t hi = 2 * p + 1 < K ? c10::BFloat16(x[m * K + 2 * p + 1]).x : 0;
+      xt[p * ldx + m] = lo | (hi << 16);
+    }
+    std::fill(xt + p * ldx + M, xt + (p + 1) * ldx, 0u);
+  }
+}
+#endif
+
 // Every row group against F features: tiles of up to 24 / F groups, W's F rows re-read from L1.
-template <int F>
-void feature_tile(const float* xt, int64_t ldx, int64_t groups, const float* w, float* yt, int64_t K) {
+template <int F, typename X, typename WT>
+void feature_tile(const X* xt, int64_t ldx, int64_t groups, const WT* w, float* yt, int64_t K) {
   constexpr int64_t kGroupsPerTile = std::min<int64_t>(kMaxGroups, kAccumulators / F);
   for (int64_t g0 = 0; g0 < groups; g0 += kGroupsPerTile) {
     const int64_t m0 = g0 * kLanes;
@@ -74,8 +131,8 @@ void feature_tile(const float* xt, int64_t ldx, int64_t groups, const float* w, 
 
 // nf <= 24 features (W's rows from `w`, [nf][K]) in tiles of F features (the last ones one at
 // a time), into yt ([nf][ldx]).
-template <int F>
-void feature_block(const float* xt, int64_t ldx, int64_t groups, const float* w, int64_t nf, int64_t K, float* yt) {
+template <int F, typename X, typename WT>
+void feature_block(const X* xt, int64_t ldx, int64_t groups, const WT* w, int64_t nf, int64_t K, float* yt) {
   int64_t f = 0;
   for (; f + F <= nf; f += F) feature_tile<F>(xt, ldx, groups, w + f * K, yt + f * ldx, K);
   for (; f < nf; ++f) feature_tile<1>(xt, ldx, groups, w + f * K, yt + f * ldx, K);
@@ -94,14 +151,14 @@ void transpose_rows(const float* x, float* xt, int64_t M, int64_t K, int64_t ldx
 
 // One parallel unit: features [first, first + count), 24 at a time (bf16 rows widened into
 // `widened`), staged in yt, then into y's rows with the bias.
-template <typename W>
-void output_block(const float* xt, int64_t ldx, int64_t groups, const W* w, const float* bias, float* y, int64_t M,
+template <typename X, typename W>
+void output_block(const X* xt, int64_t ldx, int64_t groups, const W* w, const float* bias, float* y, int64_t M,
                   int64_t N, int64_t K, int64_t first, int64_t count, float* widened, float* yt) {
   const int64_t tile_groups = std::min(groups, kMaxGroups);
   for (int64_t f0 = first; f0 < first + count; f0 += kFeatureBlock) {
     const int64_t nf = std::min(kFeatureBlock, first + count - f0);
-    const float* rows;
-    if constexpr (std::is_same_v<W, float>) {
+    const std::conditional_t<std::is_same_v<X, float>, float, W>* rows;
+    if constexpr (!std::is_same_v<X, float> || std::is_same_v<W, float>) {
       rows = w + f0 * K;  // read in place: copied first, 1.1-1.4x slower from cache
     } else {
       widen_row(w + f0 * K, widened, nf * K);
@@ -121,21 +178,30 @@ void output_block(const float* xt, int64_t ldx, int64_t groups, const W* w, cons
   }
 }
 
-template <typename W>
+template <typename X, typename W>
 void run(const float* x, const W* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t groups = (M + kLanes - 1) / kLanes;
   const int64_t ldx = groups * kLanes;
-  thread_local std::vector<float> xt_buffer;
-  xt_buffer.resize(static_cast<size_t>(K * ldx));
-  float* xt = xt_buffer.data();
-  transpose_rows(x, xt, M, K, ldx);
+  thread_local std::vector<X> xt_buffer;
+  X* xt;
+  if constexpr (std::is_same_v<X, float>) {
+    xt_buffer.resize(static_cast<size_t>(K * ldx));
+    xt = xt_buffer.data();
+    transpose_rows(x, xt, M, K, ldx);
+  } else {
+#ifdef __AVX512BF16__
+    xt_buffer.resize(static_cast<size_t>((K + 1) / 2 * ldx));
+    xt = xt_buffer.data();
+    transpose_pairs(x, xt, M, K, ldx);
+#endif
+  }
   // Units of 96 features where there are many (whole lines of y's rows), else of 24: a 256-wide
   // layer in 3 units kept one of 2 threads idle for a third of the call (1.4-1.5x oneDNN's time).
   const int64_t unit = N >= kWideLayer ? kOutputBlock : kFeatureBlock;
   const int64_t units = (N + unit - 1) / unit;
   spindle::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> widened, yt;
-    if constexpr (!std::is_same_v<W, float>) widened.resize(static_cast<size_t>(kFeatureBlock * K));
+    if constexpr (std::is_same_v<X, float> && !std::is_same_v<W, float>) widened.resize(static_cast<size_t>(kFeatureBlock * K));
     yt.resize(static_cast<size_t>(kOutputBlock * ldx));
     for (int64_t index = begin; index < end; ++index) {
       const int64_t first = index * unit;
@@ -148,12 +214,27 @@ void run(const float* x, const W* w, const float* bias, float* y, int64_t M, int
 
 bool mid_m_available() { return true; }
 
-void linear_mid_m(const float* x, const void* w, bool w_is_bf16, const float* bias, float* y, int64_t M, int64_t N,
-                  int64_t K) {
+bool pairs_disabled() {
+  static const bool disabled = [] {
+    const char* v = std::getenv("SPINDLE_DISABLE_BF16_PAIRS");
+    return v != nullptr && v[0] == '1';
+  }();
+  return disabled;
+}
+
+void linear_mid_m(const float* x, bool x_is_bf16, const void* w, bool w_is_bf16, const float* bias, float* y,
+                  int64_t M, int64_t N, int64_t K) {
   if (w_is_bf16) {
-    run(x, static_cast<const c10::BFloat16*>(w), bias, y, M, N, K);
+    const auto* wb = static_cast<const c10::BFloat16*>(w);
+#ifdef __AVX512BF16__
+    if (x_is_bf16 && !pairs_disabled()) {
+      run<uint32_t>(x, wb, bias, y, M, N, K);
+      return;
+    }
+#endif
+    run<float>(x, wb, bias, y, M, N, K);
   } else {
-    run(x, static_cast<const float*>(w), bias, y, M, N, K);
+    run<float>(x, static_cast<const float*>(w), bias, y, M, N, K);
   }
 }
 
@@ -161,7 +242,9 @@ void linear_mid_m(const float* x, const void* w, bool w_is_bf16, const float* bi
 
 bool mid_m_available() { return false; }
 
-void linear_mid_m(const float*, const void*, bool, const float*, float*, int64_t, int64_t, int64_t) {}
+void linear_mid_m(const float*, bool, const void*, bool, const float*, float*, int64_t, int64_t, int64_t) {}
+
+bool pairs_disabled() { return true; }
 
 #endif
 

@@ -29,8 +29,13 @@ namespace spindle {
 bool mid_m_available();
 
 // y[M][N] = x[M][K] @ w[N][K]^T (+ bias[N]); w fp32 or bf16 (`w_is_bf16`). Splits features
-// across spindle::parallel_for.
-void linear_mid_m(const float* x, const void* w, bool w_is_bf16, const float* bias, float* y, int64_t M, int64_t N,
-                  int64_t K);
+// across spindle::parallel_for. `x_is_bf16`: x holds bf16 values (a --dtype bfloat16 model's
+// activations, widened), so with bf16 W on a CPU with AVX512-BF16 the tiles run vdpbf16ps on
+// k pairs (SPINDLE_DISABLE_BF16_PAIRS=1: the fp32 tiles, for side-by-side runs).
+void linear_mid_m(const float* x, bool x_is_bf16, const void* w, bool w_is_bf16, const float* bias, float* y,
+                  int64_t M, int64_t N, int64_t K);
+
+// Whether SPINDLE_DISABLE_BF16_PAIRS=1 turned the k-pairs path off.
+bool pairs_disabled();
 
 }  // namespace spindle

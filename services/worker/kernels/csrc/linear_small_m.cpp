@@ -120,9 +120,9 @@ inline float row_dot(const float* x, const W* w, int64_t K) {
 
 
 template <typename W>
-void run(const float* x, const W* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+void run(const float* x, bool x_is_bf16, const W* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
   if (M >= kMidRows && mid_m_available()) {
-    linear_mid_m(x, w, !std::is_same_v<W, float>, bias, y, M, N, K);
+    linear_mid_m(x, x_is_bf16, w, !std::is_same_v<W, float>, bias, y, M, N, K);
     return;
   }
   if (M == 1) {
@@ -179,10 +179,11 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c
     bc = bias->contiguous().to(at::kFloat);
     b = bc.data_ptr<float>();
   }
+  const bool x_is_bf16 = x.scalar_type() == at::kBFloat16;
   if (wc.scalar_type() == at::kFloat) {
-    run(xc.data_ptr<float>(), wc.data_ptr<float>(), b, y.data_ptr<float>(), M, N, K);
+    run(xc.data_ptr<float>(), x_is_bf16, wc.data_ptr<float>(), b, y.data_ptr<float>(), M, N, K);
   } else {
-    run(xc.data_ptr<float>(), wc.data_ptr<c10::BFloat16>(), b, y.data_ptr<float>(), M, N, K);
+    run(xc.data_ptr<float>(), x_is_bf16, wc.data_ptr<c10::BFloat16>(), b, y.data_ptr<float>(), M, N, K);
   }
   return y.to(x.scalar_type());
 }
