@@ -2,16 +2,16 @@
 
 #include "linear_mid_m.h"
 
+#include "env_flag.h"
 #include "vec_math.h"
 #include "work_pool.h"
 
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
-#include <cstdlib>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
-#include <cstdint>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -98,6 +98,12 @@ inline void tile(const uint32_t* xt, int64_t ldx, const c10::BFloat16* w, float*
   if (K % 2 != 0) step(pairs, true);
   for (int g = 0; g < G; ++g)
     for (int f = 0; f < F; ++f) _mm512_storeu_ps(yt + f * ldx + m0 + g * kLanes, acc[g][f]);
+}
+
+// SPINDLE_DISABLE_BF16_PAIRS=1: the fp32 tiles for bf16 x too (side-by-side runs).
+bool pairs_disabled() {
+  static const bool disabled = env_flag("SPINDLE_DISABLE_BF16_PAIRS");
+  return disabled;
 }
 
 // xt[p][m] = (x[m][2p], x[m][2p + 1]) as bf16 (exact: x holds bf16 values), zeros past M and K.
@@ -214,14 +220,6 @@ void run(const float* x, const W* w, const float* bias, float* y, int64_t M, int
 
 bool mid_m_available() { return true; }
 
-bool pairs_disabled() {
-  static const bool disabled = [] {
-    const char* v = std::getenv("SPINDLE_DISABLE_BF16_PAIRS");
-    return v != nullptr && v[0] == '1';
-  }();
-  return disabled;
-}
-
 void linear_mid_m(const float* x, bool x_is_bf16, const void* w, bool w_is_bf16, const float* bias, float* y,
                   int64_t M, int64_t N, int64_t K) {
   if (w_is_bf16) {
@@ -244,7 +242,6 @@ bool mid_m_available() { return false; }
 
 void linear_mid_m(const float*, bool, const void*, bool, const float*, float*, int64_t, int64_t, int64_t) {}
 
-bool pairs_disabled() { return true; }
 
 #endif
 

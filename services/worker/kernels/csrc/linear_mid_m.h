@@ -35,7 +35,4 @@ bool mid_m_available();
 void linear_mid_m(const float* x, bool x_is_bf16, const void* w, bool w_is_bf16, const float* bias, float* y,
                   int64_t M, int64_t N, int64_t K);
 
-// Whether SPINDLE_DISABLE_BF16_PAIRS=1 turned the k-pairs path off.
-bool pairs_disabled();
-
 }  // namespace spindle

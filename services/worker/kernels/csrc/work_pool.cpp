@@ -47,6 +47,8 @@
 
 #include "work_pool.h"
 
+#include "env_flag.h"
+
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <omp.h>
@@ -101,10 +103,7 @@ std::atomic<int64_t> last_openmp_ns{0};  // when these kernels last started an O
 std::atomic<int> open_scopes{0};        // threads with a scope open: helpers spin only then
 
 bool pool_disabled() {
-  static const bool disabled = [] {
-    const char* v = std::getenv("SPINDLE_DISABLE_WORK_POOL");
-    return v != nullptr && v[0] != '\0' && !(v[0] == '0' && v[1] == '\0');
-  }();
+  static const bool disabled = env_flag("SPINDLE_DISABLE_WORK_POOL");
   return disabled;
 }
 
