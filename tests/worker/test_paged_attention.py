@@ -83,7 +83,8 @@ def _case(seed, heads, kv_heads, head_dim, block_size, dtype, rows=ROWS, head_ma
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size", "window", "softcap"),
-    [(8, 2, 64, 16, None, None), (4, 4, 32, 4, 7, None), (6, 1, 16, 8, 20, 5.0), (16, 4, 128, 16, 1, None)],
+    [(8, 2, 64, 16, None, None), (4, 4, 32, 4, 7, None), (6, 1, 16, 8, 20, 5.0), (16, 4, 128, 16, 1, None),
+     (6, 2, 40, 16, None, None)],  # 3 heads a KV head; 40 = a pass of 32 values + one of 8
 )
 def test_kernel_matches_dense_reference(dtype, heads, kv_heads, head_dim, block_size, window, softcap,
                                         head_major) -> None:
