@@ -120,11 +120,7 @@ inline float row_dot(const float* x, const W* w, int64_t K) {
 
 
 template <typename W>
-void run(const float* x, bool x_is_bf16, const W* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
-  if (M >= kMidRows && mid_m_available()) {
-    linear_mid_m(x, x_is_bf16, w, !std::is_same_v<W, float>, bias, y, M, N, K);
-    return;
-  }
+void run(const float* x, const W* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
   if (M == 1) {
     spindle::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
       for (int64_t f = begin; f < end; ++f) y[f] = row_dot(x, w + f * K, K) + (bias != nullptr ? bias[f] : 0.0f);
@@ -158,19 +154,20 @@ void run(const float* x, bool x_is_bf16, const W* w, const float* bias, float* y
 
 }  // namespace
 
-// x may be float32 or bfloat16 (a --dtype bfloat16 model): bf16 rows are widened once (a few KB
-// for a decode step's rows), the sums stay fp32 and y is rounded to x's dtype at the end, as a
-// native bf16 GEMM rounds its fp32 accumulators; the bias, if any, is in x's dtype.
+// x may be float32 or bfloat16 (a --dtype bfloat16 model): the sums stay fp32 and y is rounded to
+// x's dtype at the end, as a native bf16 GEMM rounds its fp32 accumulators; the bias, if any, is
+// in x's dtype. linear_mid_m takes bf16 rows as they are (in k pairs, or widened as it
+// transposes them); the small-M tiles get them widened once (a few KB for a decode step's rows).
 at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear_small_m: x [M, K], weight [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "linear_small_m: x must be float32 or bfloat16");
   TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
               "linear_small_m: weight must be float32 or bfloat16");
-  const at::Tensor xc = x.contiguous().to(at::kFloat);
+  const at::Tensor xc = x.contiguous();
   const at::Tensor wc = weight.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
-  at::Tensor y = at::empty({M, N}, xc.options());
+  at::Tensor y = at::empty({M, N}, xc.options().dtype(at::kFloat));
   const float* b = nullptr;
   at::Tensor bc;
   if (bias.has_value() && bias->defined()) {
@@ -179,11 +176,17 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c
     bc = bias->contiguous().to(at::kFloat);
     b = bc.data_ptr<float>();
   }
-  const bool x_is_bf16 = x.scalar_type() == at::kBFloat16;
-  if (wc.scalar_type() == at::kFloat) {
-    run(xc.data_ptr<float>(), x_is_bf16, wc.data_ptr<float>(), b, y.data_ptr<float>(), M, N, K);
+  const bool w_is_bf16 = wc.scalar_type() == at::kBFloat16;
+  if (M >= kMidRows && mid_m_available()) {
+    linear_mid_m(xc.data_ptr(), xc.scalar_type() == at::kBFloat16, wc.data_ptr(), w_is_bf16, b, y.data_ptr<float>(),
+                 M, N, K);
   } else {
-    run(xc.data_ptr<float>(), x_is_bf16, wc.data_ptr<c10::BFloat16>(), b, y.data_ptr<float>(), M, N, K);
+    const at::Tensor xf = xc.to(at::kFloat);
+    if (w_is_bf16) {
+      run(xf.data_ptr<float>(), wc.data_ptr<c10::BFloat16>(), b, y.data_ptr<float>(), M, N, K);
+    } else {
+      run(xf.data_ptr<float>(), wc.data_ptr<float>(), b, y.data_ptr<float>(), M, N, K);
+    }
   }
   return y.to(x.scalar_type());
 }
