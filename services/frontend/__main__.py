@@ -25,6 +25,7 @@ from shared.service_flags import (
     metrics_port_from_args,
     public_tls_from_args,
 )
+from shared.startup_heap import freeze_startup_heap
 from shared.tracing import Tracing
 
 
@@ -96,6 +97,7 @@ async def serve(config: FrontendConfig) -> None:
     """Serve gRPC and HTTP until SIGTERM/SIGINT; health turns SERVING once the scheduler is ready."""
     frontend = Frontend(config, Tracing.from_env("frontend"))
     await frontend.start()
+    freeze_startup_heap()
     assert frontend.grpc is not None
     await wait_for_shutdown(frontend.grpc, on_stop=frontend.drain)
     await frontend.stop()

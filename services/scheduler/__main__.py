@@ -29,6 +29,7 @@ from shared.service_flags import (
     internal_tls_from_args,
     metrics_port_from_args,
 )
+from shared.startup_heap import freeze_startup_heap
 from shared.state_store import open_state_store
 from shared.tls import grpc_server_credentials
 from shared.tracing import Tracing
@@ -167,6 +168,7 @@ async def serve(config: SchedulerConfig) -> None:
             failed = True
             await svc.server.stop(0)
             return
+        freeze_startup_heap()
         await svc.set_serving([SERVICE_NAME])
 
     starter = asyncio.create_task(start_engine())

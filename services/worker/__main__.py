@@ -29,6 +29,7 @@ from shared.service_flags import (
     internal_tls_from_args,
     metrics_port_from_args,
 )
+from shared.startup_heap import freeze_startup_heap
 from shared.tls import grpc_server_credentials
 from shared.tracing import Tracing
 
@@ -187,6 +188,7 @@ async def serve(config: WorkerConfig) -> None:
     pipeline = RoundPipeline(worker.runner, telemetry, config.fault_fail_round, compute)
     telemetry.metrics.report_step_phases(worker.runner.phases)
     servicer.attach(worker.info, pipeline)
+    freeze_startup_heap()
     await service.set_serving([SERVICE_NAME])
     telemetry.metrics.ready.set(1)
     logger.info("listening on %s", service.address)
