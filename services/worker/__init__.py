@@ -13,9 +13,13 @@ is explained. Whole forward passes in process (1 and 64 rows) did not change bey
 noise; served, in two interleaved rounds (`benchmarks.peer_bench --peers ""`, a fresh server
 each), the medium model at 64 streams went 229.4 / 234.1 -> 251.0 / 242.6 output tok/s and the
 small one at one stream 346.9 / 388.3 -> 339.1 / 418.0 (unchanged within the noise). Where the
-host's THP mode is "never", nothing changes.
+host's THP mode is "never", nothing changes. Large temporaries made every step would then fault
+in fresh huge pages each time; glibc is told to keep them in its heap (allocator.py).
 """
 
 import os
 
+from services.worker.allocator import keep_large_temporaries_in_the_heap
+
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+keep_large_temporaries_in_the_heap()
