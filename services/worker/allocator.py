@@ -10,7 +10,9 @@ Zen 4). Fixing the threshold at glibc's ceiling (32 MB) serves those from the he
 trim threshold keeps what they free for the next step: 178 us, huge pages kept. Engine, bf16
 small model, 64 streams, two interleaved runs of each (decode / with the prompts' round,
 tok/s): huge pages as before 9,958-10,310 / 6,752-7,410; without huge pages 8,471-10,163 /
-6,992-7,615; huge pages with these settings 10,420-10,671 / 7,663-8,568. Tensors above 32 MB
+6,992-7,615; huge pages with these settings 10,420-10,671 / 7,663-8,568. Served, interleaved
+pairs: the fp32 medium model at 64 streams 357 / 388 -> 374 / 401 out tok/s; the bf16 small one
+unchanged (4,677 against 4,701 on average over 4 pairs). Tensors above 32 MB
 (the KV cache, weights: allocated once) still get mappings of their own.
 
 The memory kept is what a step's temporaries peaked at; it is reused, not leaked. glibc only:
