@@ -191,26 +191,6 @@ void rows_to_columns(const float* x, float* xt, int64_t M, int64_t K, int64_t ld
   }
 }
 
-// y[m][first + j] = yt[j][m] + bias[first + j] (0 without a bias) for m < M, j < count: the
-// staged unit back into y's rows, 16 x 16 blocks transposed in registers. The scalar copy read
-// yt a column at a time, a cache line per value: 140 of the 8192-wide LM head's 730 us at 64
-// rows went there.
-void columns_to_rows(const float* yt, int64_t ldx, const float* bias, float* y, int64_t M, int64_t N,
-                     int64_t first, int64_t count) {
-  for (int64_t j0 = 0; j0 < count; j0 += kLanes) {
-    const int64_t nj = std::min(kLanes, count - j0);
-    const __mmask16 features = static_cast<__mmask16>((1u << nj) - 1);
-    const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(features, bias + first + j0) : _mm512_setzero_ps();
-    for (int64_t m0 = 0; m0 < M; m0 += kLanes) {
-      __m512 r[16];
-      for (int64_t i = 0; i < kLanes; ++i) r[i] = i < nj ? _mm512_loadu_ps(yt + (j0 + i) * ldx + m0) : _mm512_setzero_ps();
-      transpose_16x16(r);
-      for (int64_t i = 0; i < std::min(kLanes, M - m0); ++i)
-        _mm512_mask_storeu_ps(y + (m0 + i) * N + first + j0, features, _mm512_add_ps(r[i], b));
-    }
-  }
-}
-
 // One parallel unit: features [first, first + count), 24 at a time (bf16 rows widened into
 // `widened`), staged in yt, then into y's rows with the bias.
 template <typename X, typename W>
@@ -234,7 +214,10 @@ void output_block(const X* xt, int64_t ldx, int64_t groups, const W* w, const fl
       default: feature_block<6>(xt, ldx, groups, rows, nf, K, staged); break;
     }
   }
-  columns_to_rows(yt, ldx, bias, y, M, N, first, count);
+  for (int64_t m = 0; m < M; ++m) {
+    float* out = y + m * N + first;
+    for (int64_t j = 0; j < count; ++j) out[j] = yt[j * ldx + m] + (bias != nullptr ? bias[first + j] : 0.0f);
+  }
 }
 
 // x^T for the tiles: X = float (fp32 x, or bf16 x widened first), X = uint32_t (bf16 x in k pairs).
