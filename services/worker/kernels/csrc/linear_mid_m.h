@@ -19,8 +19,9 @@
 // in 96s kept one of two threads idle for a third of the call). Sums run over k in order, one
 // lane per (row, feature). Measured alone, hot weights, 2 threads, Zen 5, time against
 // oneDNN's at the small model's shapes: 16 rows 0.60-1.23x, 64 rows 0.86-1.12x, 128 rows
-// 1.04-1.29x (`benchmarks` has no script for it: the calibration, models/fast_linear.py, times
-// the whole kernel against oneDNN per shape at start-up and decides from that).
+// 1.04-1.29x (`python -m benchmarks.linear_bench` prints it per shape and row count; the
+// calibration, models/fast_linear.py, times the whole kernel against oneDNN per shape at start-up
+// and decides from that).
 #pragma once
 
 #include <cstdint>
