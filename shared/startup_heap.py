@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
+
+from shared.switches import switch_on
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ DISABLE_ENV = "SPINDLE_DISABLE_GC_FREEZE"
 
 def freeze_startup_heap() -> int:
     """Collect once, then freeze every object alive now; returns how many are frozen (0: disabled)."""
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+    if switch_on(DISABLE_ENV):
         logger.info("start-up heap left to the garbage collector (%s)", DISABLE_ENV)
         return 0
     start = time.perf_counter()

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
+
+from shared.switches import switch_on
 
 M_TRIM_THRESHOLD = -1  # mallopt parameters (glibc malloc.h)
 M_MMAP_THRESHOLD = -3
@@ -36,7 +37,7 @@ DISABLE_ENV = "SPINDLE_DISABLE_MALLOC_THRESHOLDS"
 def keep_large_temporaries_in_the_heap() -> bool:
     """Set the two thresholds; True where glibc accepted both (False: disabled, or not glibc)."""
     name = ctypes.util.find_library("c")
-    if name is None or os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+    if name is None or switch_on(DISABLE_ENV):
         return False
     try:
         libc = ctypes.CDLL(name)

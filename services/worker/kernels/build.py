@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from shared.switches import switch_on
+
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
@@ -163,7 +165,7 @@ def load_kernels() -> None:
 
     Raises `KernelBuildError` (remembered: later calls raise the same without retrying).
     """
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+    if switch_on(DISABLE_ENV):
         raise KernelBuildError(f"disabled by {DISABLE_ENV}")
     try:
         path = ensure_built()

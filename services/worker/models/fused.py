@@ -43,9 +43,10 @@ differences), as the linear kernel's sums are.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
+
+from shared.switches import switch_on
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def fused_kernels_error(device: torch.device) -> str | None:
     """None when the fused kernels can run on `device` in this process, else why not."""
     if device.type != "cpu":
         return f"the fused kernels run on the CPU, not {device.type}"
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+    if switch_on(DISABLE_ENV):
         return f"disabled by {DISABLE_ENV}"
     from services.worker.kernels.build import kernels_error
 

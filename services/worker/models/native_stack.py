@@ -29,7 +29,6 @@ runs.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from torch import nn
 from services.worker.attention.paged import PagedMetadata
 from services.worker.models.config import DecoderConfig
 from services.worker.models.fast_linear import FastLinear, round_max_rows
+from shared.switches import switch_on
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def build_native_stack(config: DecoderConfig, layers: nn.ModuleList, final_norm:
 
 def _unsupported(config: DecoderConfig, layers: nn.ModuleList, linears: list[FastLinear]) -> str | None:
     """Why the native stack cannot stand in for `layers`; None when it can."""
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+    if switch_on(DISABLE_ENV):
         return f"disabled by {DISABLE_ENV}"
     if config.sandwich_norms or config.qk_norm:
         return "sandwich norms or per-head q/k norms"

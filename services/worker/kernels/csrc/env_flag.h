@@ -1,5 +1,5 @@
-// The kernels' side-by-side switches (SPINDLE_DISABLE_*), read as services/worker/kernels/build.py
-// reads its own: on when set to anything but "" or "0". Callers read it once (a static) and keep it.
+// The kernels' side-by-side switches (SPINDLE_DISABLE_*), read as shared/switches.py reads the
+// Python ones: on when set to anything but "" or "0". Callers read it once (a static) and keep it.
 #pragma once
 
 #include <cstdlib>

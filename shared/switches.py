@@ -1,0 +1,14 @@
+"""The SPINDLE_DISABLE_* switches that turn one speed-up off for side-by-side runs.
+
+One reading for all of them, the one the C++ kernels share (kernels/csrc/env_flag.h): a switch is
+on when its variable is set to anything but "" or "0".
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def switch_on(name: str) -> bool:
+    """True where the environment variable `name` is set to anything but "" or "0"."""
+    return os.environ.get(name, "") not in ("", "0")
