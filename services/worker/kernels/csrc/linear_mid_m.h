@@ -7,11 +7,14 @@
 // OpenMP barriers stall whenever a host service takes one of the worker's two cores, and which
 // keeps the layer stack in Python (native_stack.py needs every layer on spindle's kernels).
 // Here x is transposed once per call into [K][rows] (rows padded to 16, a few KB to a few
-// hundred; 16 x 16 blocks in registers, where a scalar loop had taken 13 us of a 60 us call at
-// 64 rows x 256, and bf16 rows read in k pairs as they lie, no longer widened and rounded back:
-// at 64 rows, 2 threads, Zen 4, bf16 384 x 256 60 -> 46-48 us, 256 x 768 130 -> 86-89), and a tile of 16 x G rows by F features keeps G * F accumulators (<= 24 of the 32
-// zmm registers): per k, G vector loads of x and F broadcasts of W feed G * F FMAs (G = 4, F = 6
-// at 64 rows; G = 1, F = 12 at 16, where F = 24 ran ~40 % slower). fp32 W is read in place
+// hundred), in 16 x 16 blocks in registers, bf16 rows read in k pairs as they lie. Until
+// 2026-11-29 a scalar loop transposed them, and bf16 rows were widened by torch, then rounded
+// back into pairs one value at a time: 64 rows, 2 threads, Zen 4, a 16-feature call 23-24 ->
+// 8 us at K = 256 and 69-74 -> 16-17 at K = 768 (fp32 x: 14 -> 11, 35 -> 27), bf16 384 x 256
+// 60-65 -> 46-48 us, 256 x 768 128-132 -> 85-89. A tile of 16 x G rows by F features keeps
+// G * F accumulators (<= 24 of the 32 zmm registers): per k, G vector loads of x and F
+// broadcasts of W feed G * F FMAs (G = 4, F = 6 at 64 rows; G = 1, F = 12 at 16, where F = 24
+// ran ~40 % slower). fp32 W is read in place
 // (copying 24 rows into a scratch first ran 1.1-1.4x slower from cache), its F rows prefetched
 // by hand; bf16 W is widened 24 rows at a time into a scratch. Results are staged per unit of
 // features and copied into y's rows with the bias; units of 24 features, 96 for layers of 1,536

@@ -330,7 +330,8 @@ class ItemKernel {
     if (next != nullptr) prefetch_values(*next);
     int64_t d0 = 0;
 #ifdef __AVX2__
-    for (; d0 + 8 * kValueChunks <= D; d0 += 8 * kValueChunks) weigh_values<NH, kValueChunks>(acc, alpha, s, a, e, blk, d0);
+    for (; d0 + 8 * kValueChunks <= D; d0 += 8 * kValueChunks)
+      weigh_values<NH, kValueChunks>(acc, alpha, s, a, e, blk, d0);
     for (; d0 + 8 <= D; d0 += 8) weigh_values<NH, 1>(acc, alpha, s, a, e, blk, d0);
 #endif
     for (; d0 + kLanes <= D; d0 += kLanes) {  // NH x kLanes accumulators stay in registers over the keys
@@ -365,7 +366,8 @@ class ItemKernel {
 #ifdef __AVX2__
   // acc[h][d0, d0 + 8C) <- acc * alpha[h] + sum over keys [a, e) of weight s[h][j] x value j, for
   // the NH heads: NH x C accumulators held in named registers over the keys. The portable loop
-  // below left them on the stack in some of GCC's unrolled copies, a store-to-load chain per key.
+  // in `accumulate` left them on the stack in some of GCC's unrolled copies, a store-to-load
+  // chain per key; it now runs only without AVX2.
   template <int NH, int C>
   void weigh_values(float* acc, const float* alpha, const float* s, int64_t a, int64_t e, const Block& blk,
                     int64_t d0) const {
