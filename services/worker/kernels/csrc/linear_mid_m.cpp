@@ -2,7 +2,6 @@
 
 #include "linear_mid_m.h"
 
-#include "env_flag.h"
 #include "vec_math.h"
 #include "work_pool.h"
 
@@ -98,12 +97,6 @@ inline void tile(const uint32_t* xt, int64_t ldx, const c10::BFloat16* w, float*
   if (K % 2 != 0) step(pairs, true);
   for (int g = 0; g < G; ++g)
     for (int f = 0; f < F; ++f) _mm512_storeu_ps(yt + f * ldx + m0 + g * kLanes, acc[g][f]);
-}
-
-// SPINDLE_DISABLE_BF16_PAIRS=1: the fp32 tiles for bf16 x too (side-by-side runs).
-bool pairs_disabled() {
-  static const bool disabled = env_flag("SPINDLE_DISABLE_BF16_PAIRS");
-  return disabled;
 }
 
 #endif
@@ -278,7 +271,7 @@ void linear_mid_m(const void* x, bool x_is_bf16, const void* w, bool w_is_bf16, 
   if (w_is_bf16) {
     const auto* wb = static_cast<const c10::BFloat16*>(w);
 #ifdef __AVX512BF16__
-    if (x_is_bf16 && !pairs_disabled()) {
+    if (x_is_bf16 && !bf16_pairs_disabled()) {
       run<uint32_t>(x, x_is_bf16, wb, bias, y, M, N, K);
       return;
     }

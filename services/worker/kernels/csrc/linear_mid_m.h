@@ -27,12 +27,21 @@
 // and decides from that).
 #pragma once
 
+#include "env_flag.h"
+
 #include <cstdint>
 
 namespace spindle {
 
 // True where this build has the AVX-512 path (else callers keep the small-M tiles).
 bool mid_m_available();
+
+// SPINDLE_DISABLE_BF16_PAIRS=1: bf16 x with bf16 W runs the fp32 tiles on x widened, here and in
+// linear_small_m's few-rows tiles, instead of vdpbf16ps on k pairs (side-by-side runs).
+inline bool bf16_pairs_disabled() {
+  static const bool disabled = env_flag("SPINDLE_DISABLE_BF16_PAIRS");
+  return disabled;
+}
 
 // y[M][N] = x[M][K] @ w[N][K]^T (+ bias[N]); w fp32 or bf16 (`w_is_bf16`). Splits features
 // across spindle::parallel_for. x is fp32, or bf16 where `x_is_bf16` (a --dtype bfloat16 model's

@@ -20,6 +20,7 @@
 // reuse of x and W in registers won or tied at most shapes, so it keeps those.
 // Which calls use it is decided by measurement at run time (models/fast_linear.py).
 
+#include "env_flag.h"
 #include "kernel_ops.h"
 #include "linear_mid_m.h"
 #include "vec_math.h"
@@ -119,6 +120,127 @@ inline float row_dot(const float* x, const W* w, int64_t K) {
 }
 
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SPINDLE_FEW_ROWS_TILES 1
+// 2-7 rows on AVX-512: tiles of M rows x 4 features, M a compile-time constant so that the
+// M x 4 accumulators stay in registers (<= 24 of 32 zmm, plus 4 W vectors and one x), each
+// tile's four sums per row reduced together (sum4) and stored with the bias. Two ways to step
+// over k: fp32 lanes (16 k a step; bf16 W widened by a shift), or, for bf16 x with bf16 W on
+// a CPU with AVX512-BF16, vdpbf16ps on k pairs (32 k a step, nothing widened), as
+// linear_mid_m's tiles do from 8 rows on. The AVX2 tiles above, with rows and features counted
+// at run time, ran 2.5-5x their one-row time. Measured (2-core AMD EPYC Zen 4, 2 threads,
+// 2026-11-29), bf16 x and W, us a call, AVX2 tiles -> these: hot weights (`python -m
+// benchmarks.linear_bench --rows 2,4,7`), the small model's 8192 x 256 LM head 255 / 416 / 621
+// -> 62 / 89 / 143 at 2 / 4 / 7 rows (oneDNN 75 / 87 / 123), its 1536 x 256 55 / 85 / 132 ->
+// 13 / 19 / 30, the medium model's 5632 x 1024 560 / 1091 / 1595 -> 140 / 188 / 289 (oneDNN
+// 175 / 185 / 258); fp32 1.1-1.9x. Weights from memory (copies cycled past the caches), 2 and 4
+// rows: 1.3-2.8x faster at the medium shapes, the small LM head a tie at 4 rows. One row keeps
+// row_dot: from memory its single stream read 31-35 GB/s, this tile's four 20-27.
+// SPINDLE_DISABLE_FEW_ROWS_TILES=1: the AVX2 tiles, for side-by-side runs.
+
+bool few_rows_disabled() {
+  static const bool disabled = env_flag("SPINDLE_DISABLE_FEW_ROWS_TILES");
+  return disabled;
+}
+
+inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+
+// fp32 x; W fp32 or bf16, widened: 16 k a step.
+struct Fp32Lanes {
+  static constexpr int64_t kStep = 16;
+  using Mask = __mmask16;
+  static Mask mask(int64_t left) { return left >= kStep ? Mask(0xffff) : Mask((1u << left) - 1); }
+  template <typename T>
+  static __m512 load(const T* p, Mask m) { return load16(p, m); }
+  static __m512 fma(__m512 acc, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, acc); }
+};
+
+#ifdef __AVX512BF16__
+// bf16 x and W: 32 k a step, each pair's two products summed into fp32 (vdpbf16ps).
+struct Bf16Pairs {
+  static constexpr int64_t kStep = 32;
+  using Mask = __mmask32;
+  static Mask mask(int64_t left) { return left >= kStep ? Mask(0xffffffffu) : Mask((1u << left) - 1); }
+  static __m512i load(const c10::BFloat16* p, Mask m) { return _mm512_maskz_loadu_epi16(m, p); }
+  static __m512 fma(__m512 acc, __m512i x, __m512i w) {
+    return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(x), reinterpret_cast<__m512bh>(w));
+  }
+};
+#endif
+
+// [sum of a, sum of b, sum of c, sum of d]: 128-bit blocks folded pairwise, then lanes.
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  s = _mm512_add_ps(s, _mm512_permute_ps(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  s = _mm512_add_ps(s, _mm512_permute_ps(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  const __m512i first_of_block = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(first_of_block, s));
+}
+
+// y[m][f0 .. f0 + 4) for the R rows of x (each K long; y's rows N apart); `w` points at feature f0's row.
+template <int R, typename L, typename X, typename W>
+inline void few_rows_tile(const X* x, const W* w, const float* bias, float* y, int64_t K, int64_t N, int64_t f0) {
+  __m512 acc[R][kFeaturesPerBlock];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += L::kStep) {
+    const auto mask = L::mask(K - k);
+    decltype(L::load(w, mask)) wv[kFeaturesPerBlock];
+    for (int64_t f = 0; f < kFeaturesPerBlock; ++f) wv[f] = L::load(w + f * K + k, mask);
+    for (int m = 0; m < R; ++m) {
+      const auto xv = L::load(x + m * K + k, mask);
+      for (int64_t f = 0; f < kFeaturesPerBlock; ++f) acc[m][f] = L::fma(acc[m][f], xv, wv[f]);
+    }
+  }
+  const __m128 b = bias != nullptr ? _mm_loadu_ps(bias + f0) : _mm_setzero_ps();
+  // Unrolled, so every accumulator is named by constants: a rolled loop indexing acc[m] made GCC
+  // keep acc in memory and store all of it at every k step (two cycles per 512-bit store).
+#pragma GCC unroll 8
+  for (int m = 0; m < R; ++m)
+    _mm_storeu_ps(y + m * N + f0, _mm_add_ps(sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]), b));
+}
+
+template <typename L, typename X, typename W>
+inline void few_rows_block(const X* x, const W* w, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
+                           int64_t f0) {
+  switch (M) {
+    case 2: return few_rows_tile<2, L>(x, w, bias, y, K, N, f0);
+    case 3: return few_rows_tile<3, L>(x, w, bias, y, K, N, f0);
+    case 4: return few_rows_tile<4, L>(x, w, bias, y, K, N, f0);
+    case 5: return few_rows_tile<5, L>(x, w, bias, y, K, N, f0);
+    case 6: return few_rows_tile<6, L>(x, w, bias, y, K, N, f0);
+    default:  // 7 rows and up (no more than 6 x 4 accumulators fit): 4, then the rest
+      few_rows_tile<4, L>(x, w, bias, y, K, N, f0);
+      few_rows_block<L>(x + 4 * K, w, bias, y + 4 * N, M - 4, K, N, f0);
+  }
+}
+
+// Features in blocks of 4 split across the threads; the last N % 4 (no benchmark model has any) one at a time.
+template <typename L, typename X, typename W>
+void run_few_rows(const X* x, const W* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t num_blocks = N / kFeaturesPerBlock;
+  spindle::parallel_for(0, num_blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t f0 = b * kFeaturesPerBlock;
+      few_rows_block<L>(x, w + f0 * K, bias, y, M, K, N, f0);
+    }
+  });
+  for (int64_t f = num_blocks * kFeaturesPerBlock; f < N; ++f) {  // N % 4 features, each alone
+    for (int64_t m = 0; m < M; ++m) {
+      float sum = bias != nullptr ? bias[f] : 0.0f;
+      for (int64_t k = 0; k < K; ++k) sum += to_float(x[m * K + k]) * to_float(w[f * K + k]);
+      y[m * N + f] = sum;
+    }
+  }
+}
+#endif
+
 template <typename W>
 void run(const float* x, const W* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
   if (M == 1) {
@@ -152,6 +274,31 @@ void run(const float* x, const W* w, const float* bias, float* y, int64_t M, int
   });
 }
 
+// 2-7 rows on the few-rows tiles where this build has them; false: the caller runs run().
+bool few_rows(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& y, int64_t M, int64_t N,
+              int64_t K) {
+#ifdef SPINDLE_FEW_ROWS_TILES
+  if (M < 2 || few_rows_disabled()) return false;
+  float* out = y.data_ptr<float>();
+  const bool w_is_bf16 = w.scalar_type() == at::kBFloat16;
+#ifdef __AVX512BF16__
+  if (w_is_bf16 && x.scalar_type() == at::kBFloat16 && !bf16_pairs_disabled()) {
+    run_few_rows<Bf16Pairs>(x.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(), bias, out, M, N, K);
+    return true;
+  }
+#endif
+  const at::Tensor xf = x.to(at::kFloat);
+  if (w_is_bf16) {
+    run_few_rows<Fp32Lanes>(xf.data_ptr<float>(), w.data_ptr<c10::BFloat16>(), bias, out, M, N, K);
+  } else {
+    run_few_rows<Fp32Lanes>(xf.data_ptr<float>(), w.data_ptr<float>(), bias, out, M, N, K);
+  }
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 // x may be float32 or bfloat16 (a --dtype bfloat16 model): the sums stay fp32 and y is rounded to
@@ -180,7 +327,7 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c
   if (M >= kMidRows && mid_m_available()) {
     linear_mid_m(xc.data_ptr(), xc.scalar_type() == at::kBFloat16, wc.data_ptr(), w_is_bf16, b, y.data_ptr<float>(),
                  M, N, K);
-  } else {
+  } else if (!few_rows(xc, wc, b, y, M, N, K)) {
     const at::Tensor xf = xc.to(at::kFloat);
     if (w_is_bf16) {
       run(xf.data_ptr<float>(), wc.data_ptr<c10::BFloat16>(), b, y.data_ptr<float>(), M, N, K);
