@@ -19,10 +19,16 @@ import os
 import tempfile
 from pathlib import Path
 
+from shared.switches import switch_on
+
 logger = logging.getLogger(__name__)
 
 RECALIBRATE_ENV = "SPINDLE_RECALIBRATE"
 FILE_NAME = "linear_calibration.json"
+# The kernels' side-by-side switches that change what the probes time: a run with one on gets
+# timings of its own, not the ones measured with it off (which chose the row counts for code it
+# does not run).
+KERNEL_SWITCHES = ("SPINDLE_DISABLE_BF16_PAIRS", "SPINDLE_DISABLE_FEW_ROWS_TILES")
 
 
 def entry_key(out_features: int, in_features: int, weight_dtype: str, has_bias: bool, num_threads: int,
@@ -34,7 +40,9 @@ def entry_key(out_features: int, in_features: int, weight_dtype: str, has_bias: 
     versus = " vs-onednn" if onednn else ""
     activations = "" if activation_dtype == "float32" else f" x-{activation_dtype}"  # float32's keys as before
     cycled = "" if working_set is None else f" set={working_set >> 20}MiB"
-    return f"{out_features}x{in_features} {weight_dtype} {bias} threads={num_threads}{versus}{activations}{cycled}"
+    switches = "".join(f" {name}" for name in KERNEL_SWITCHES if switch_on(name))
+    return (f"{out_features}x{in_features} {weight_dtype} {bias} threads={num_threads}{versus}{activations}{cycled}"
+            f"{switches}")
 
 
 Timings = tuple[tuple[float, float], ...]  # per probe row count: (kernel, GEMM) seconds
