@@ -123,19 +123,21 @@ inline float row_dot(const float* x, const W* w, int64_t K) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SPINDLE_FEW_ROWS_TILES 1
 // 2-7 rows on AVX-512: tiles of M rows x 4 features, M a compile-time constant so that the
-// M x 4 accumulators stay in registers (<= 24 of 32 zmm, plus 4 W vectors and one x), each
-// tile's four sums per row reduced together (sum4) and stored with the bias. Two ways to step
+// M x 4 accumulators stay in registers (<= 24 of 32 zmm), the four features' rows of W read one
+// after the other (one sequential stream: k-interleaved, the four rows read 13-26 GB/s from
+// memory against 24-34 in turn), each tile's four sums per row reduced together (sum4) and
+// stored with the bias. Two ways to step
 // over k: fp32 lanes (16 k a step; bf16 W widened by a shift), or, for bf16 x with bf16 W on
 // a CPU with AVX512-BF16, vdpbf16ps on k pairs (32 k a step, nothing widened), as
 // linear_mid_m's tiles do from 8 rows on. The AVX2 tiles above, with rows and features counted
 // at run time, ran 2.5-5x their one-row time. Measured (2-core AMD EPYC Zen 4, 2 threads,
 // 2026-11-29), bf16 x and W, us a call, AVX2 tiles -> these: hot weights (`python -m
 // benchmarks.linear_bench --rows 2,4,7`), the small model's 8192 x 256 LM head 255 / 416 / 621
-// -> 62 / 89 / 143 at 2 / 4 / 7 rows (oneDNN 75 / 87 / 123), its 1536 x 256 55 / 85 / 132 ->
-// 13 / 19 / 30, the medium model's 5632 x 1024 560 / 1091 / 1595 -> 140 / 188 / 289 (oneDNN
-// 175 / 185 / 258); fp32 1.1-1.9x. Weights from memory (copies cycled past the caches), 2 and 4
-// rows: 1.3-2.8x faster at the medium shapes, the small LM head a tie at 4 rows. One row keeps
-// row_dot: from memory its single stream read 31-35 GB/s, this tile's four 20-27.
+// -> 68 / 106 / 168 at 2 / 4 / 7 rows (oneDNN 83 / 105 / 131), its 1536 x 256 55 / 85 / 132
+// -> 17 / 21 / 33, the medium model's 5632 x 1024 560 / 1091 / 1595 -> 140 / 188 / 289 (oneDNN
+// 175 / 185 / 258, k-interleaved); fp32 1.1-1.9x. Weights from memory (copies cycled past the
+// caches; /tmp script): 2 rows 1.6-3x faster, 4 rows 1.25-2.5x (medium 5632 x 1024 at 4 rows
+// 949 -> 374 us). One row keeps row_dot: from memory this tile tied it, from cache it was mixed.
 // SPINDLE_DISABLE_FEW_ROWS_TILES=1: the AVX2 tiles, for side-by-side runs.
 
 bool few_rows_disabled() {
@@ -189,13 +191,12 @@ inline void few_rows_tile(const X* x, const W* w, const float* bias, float* y, i
   __m512 acc[R][kFeaturesPerBlock];
   for (auto& row : acc)
     for (auto& a : row) a = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += L::kStep) {
-    const auto mask = L::mask(K - k);
-    decltype(L::load(w, mask)) wv[kFeaturesPerBlock];
-    for (int64_t f = 0; f < kFeaturesPerBlock; ++f) wv[f] = L::load(w + f * K + k, mask);
-    for (int m = 0; m < R; ++m) {
-      const auto xv = L::load(x + m * K + k, mask);
-      for (int64_t f = 0; f < kFeaturesPerBlock; ++f) acc[m][f] = L::fma(acc[m][f], xv, wv[f]);
+#pragma GCC unroll 4
+  for (int64_t f = 0; f < kFeaturesPerBlock; ++f) {
+    for (int64_t k = 0; k < K; k += L::kStep) {
+      const auto mask = L::mask(K - k);
+      const auto wv = L::load(w + f * K + k, mask);
+      for (int m = 0; m < R; ++m) acc[m][f] = L::fma(acc[m][f], L::load(x + m * K + k, mask), wv);
     }
   }
   const __m128 b = bias != nullptr ? _mm_loadu_ps(bias + f0) : _mm_setzero_ps();
