@@ -31,12 +31,12 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels")
 @pytest.mark.parametrize(("rows", "out_features", "in_features"),
                          [(1, 64, 32), (1, 130, 75), (1, 3, 5), (1, 200, 1024),
                           (3, 37, 19), (4, 8, 8), (7, 130, 67), (16, 96, 256), (33, 5, 9),
-                          # the AVX-512 few-rows tiles (linear_small_m.cpp): every row count 2-7,
+                          # the AVX-512 few-rows tiles (linear_small_m.cpp): row counts 2-11,
                           # features past the last block of 4, K not a multiple of 16
-                          (2, 130, 75), (5, 103, 40), (6, 64, 300),
+                          (2, 130, 75), (5, 103, 40), (6, 64, 300), (11, 37, 40),
                           # the AVX-512 kernel's edges (linear_mid_m.cpp): partial row groups and
                           # tiles, features past a 96-wide block, K not a multiple of 16
-                          (8, 97, 19), (17, 200, 75), (64, 385, 300), (65, 100, 33), (130, 50, 16)])
+                          (12, 97, 19), (17, 200, 75), (64, 385, 300), (65, 100, 33), (130, 50, 16)])
 def test_kernel_equals_f_linear(rows: int, out_features: int, in_features: int, weight_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=gen)
@@ -49,8 +49,8 @@ def test_kernel_equals_f_linear(rows: int, out_features: int, in_features: int, 
 
 
 @pytest.mark.parametrize(("rows", "out_features", "in_features"),
-                         [(8, 97, 19), (16, 96, 256), (17, 200, 75), (64, 385, 300), (65, 100, 33), (130, 50, 16),
-                          (64, 24, 1), (2, 97, 19), (3, 8, 1), (4, 130, 75), (6, 64, 33), (7, 41, 300)])
+                         [(8, 97, 19), (12, 97, 19), (16, 96, 256), (17, 200, 75), (64, 385, 300), (65, 100, 33), (130, 50, 16),
+                          (64, 24, 1), (2, 97, 19), (3, 8, 1), (4, 130, 75), (6, 64, 33), (7, 41, 300), (10, 9, 70)])
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
 def test_bf16_activations_and_weights_match_a_float64_reference(rows: int, out_features: int, in_features: int,
                                                                  weight_dtype: torch.dtype) -> None:

@@ -44,9 +44,12 @@ namespace {
 
 constexpr int64_t kRowsPerBlock = 3;      // rows of x per register tile (see above)
 constexpr int64_t kFeaturesPerBlock = 4;  // output features per register tile
-// From this many rows on, CPUs with AVX-512 run linear_mid_m.cpp's kernel: it won at 8 rows and
-// lost at 4 at every shape of the benchmark models (2-core AMD EPYC, Zen 5; 2026-11-28).
-constexpr int64_t kMidRows = 8;
+// From this many rows on, CPUs with AVX-512 run linear_mid_m.cpp's kernel (its tiles are 16 rows
+// wide: 8 rows leave half the lanes idle). Against the AVX2 tiles below it won at 8 rows and lost
+// at 4 at every shape of the benchmark models (Zen 5, 2026-11-28); the few-rows tiles below beat
+// it at 8 rows at every shape (bf16, Zen 4, hot weights: medium 5632 x 1024 1,180 -> 426 us,
+// small LM head 290 -> 201) and tied it at 12 (2026-11-29).
+constexpr int64_t kMidRows = 12;
 
 #ifdef __AVX2__
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -122,7 +125,7 @@ inline float row_dot(const float* x, const W* w, int64_t K) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SPINDLE_FEW_ROWS_TILES 1
-// 2-7 rows on AVX-512: tiles of M rows x 4 features, M a compile-time constant so that the
+// 2-11 rows on AVX-512 (kMidRows): tiles of M rows x 4 features, M a compile-time constant so that the
 // M x 4 accumulators stay in registers (<= 24 of 32 zmm), the four features' rows of W read one
 // after the other (one sequential stream: k-interleaved, the four rows read 13-26 GB/s from
 // memory against 24-34 in turn), each tile's four sums per row reduced together (sum4) and
@@ -275,7 +278,7 @@ void run(const float* x, const W* w, const float* bias, float* y, int64_t M, int
   });
 }
 
-// 2-7 rows on the few-rows tiles where this build has them; false: the caller runs run().
+// 2 to kMidRows - 1 rows on the few-rows tiles where this build has them; false: the caller runs run().
 bool few_rows(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& y, int64_t M, int64_t N,
               int64_t K) {
 #ifdef SPINDLE_FEW_ROWS_TILES
