@@ -50,7 +50,8 @@ def test_kernel_equals_f_linear(rows: int, out_features: int, in_features: int, 
 
 @pytest.mark.parametrize(("rows", "out_features", "in_features"),
                          [(8, 97, 19), (12, 97, 19), (16, 96, 256), (17, 200, 75), (64, 385, 300), (65, 100, 33),
-                          (130, 50, 16), (64, 24, 1), (2, 97, 19), (3, 8, 1), (4, 130, 75), (6, 64, 33), (7, 41, 300), (10, 9, 70)])
+                          (130, 50, 16), (64, 24, 1), (2, 97, 19), (3, 8, 1), (4, 130, 75), (6, 64, 33), (7, 41, 300),
+                          (10, 9, 70)])
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
 def test_bf16_activations_and_weights_match_a_float64_reference(rows: int, out_features: int, in_features: int,
                                                                  weight_dtype: torch.dtype) -> None:
