@@ -244,8 +244,8 @@ void act_mul_row(const float* gate, const float* up, float* out, int64_t n, int6
 // One row of act_and_mul on T: float as above; bf16 widened, act(gate) rounded, then the
 // product rounded (torch's F.silu(gate) * up on bf16 tensors rounds after each op).
 #ifdef SPINDLE_HAVE_SLEEF_AVX512
-// 16 bf16 values (their bits) widened to fp32 (exact).
-inline __m512 widen16(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+// 16 bf16 values widened to fp32 (vec_math.h's widen16 on their bits, in scope beside this overload).
+using spindle::widen16;
 inline __m512 widen16(const c10::BFloat16* p) {
   return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }

@@ -148,10 +148,7 @@ bool few_rows_disabled() {
   return disabled;
 }
 
-inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+inline __m512 load16(const c10::BFloat16* p, __mmask16 m) { return widen16(_mm256_maskz_loadu_epi16(m, p)); }
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 
 // fp32 x; W fp32 or bf16, widened: 16 k a step.

@@ -45,6 +45,11 @@ inline float rounded(float x) {
   }
 }
 
+#ifdef __AVX512F__
+// 16 bf16 values (their bits) widened to fp32 (exact: a shift).
+inline __m512 widen16(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+#endif
+
 // dst[0, n) <- src[0, n) widened to fp32 (exact), 8 at a time by hand: bf16 by a shift with
 // AVX2; float16 with F16C's vcvtph2ps, since c10::Half's conversion is bit manipulation GCC
 // does not vectorise (a float16 KV cache read 2.3x slower than a bf16 one at 64 rows x 192
