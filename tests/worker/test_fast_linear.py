@@ -70,6 +70,41 @@ def test_bf16_activations_and_weights_match_a_float64_reference(rows: int, out_f
         torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-5 * in_features)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5, 11, 12, 64])  # one row, the few-rows tiles, the tens-of-rows kernel
+def test_bf16_outputs_are_rounded_in_the_kernel_as_torch_rounds(rows: int) -> None:
+    """Each kernel rounds its fp32 sums (bias included) to bf16 as it stores them, bit for bit as
+    torch's conversion of the fp32 result does (bf16 x with fp32 W sums exactly as fp32 x does);
+    `float_out` gives those rounded values as float32."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 72, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(130, generator=gen).to(torch.bfloat16)
+    for weight_dtype in (torch.float32, torch.bfloat16):
+        weight = torch.randn(130, 72, generator=gen).to(weight_dtype)
+        for b in (bias, None):
+            got = torch.ops.spindle.linear_small_m(x, weight, b)
+            widened = torch.ops.spindle.linear_small_m(x, weight, b, True)
+            assert got.dtype == torch.bfloat16 and widened.dtype == torch.float32
+            assert torch.equal(widened, got.float())
+            if weight_dtype == torch.float32:
+                sums = torch.ops.spindle.linear_small_m(x.float(), weight, None if b is None else b.float())
+                assert torch.equal(got, sums.to(torch.bfloat16))
+
+
+def test_float_output_is_the_layer_output_widened() -> None:
+    """FastLinear.float_output (the LM head's logits): self(x).float(), on the kernel and past it."""
+    layer = FastLinear(40, 90).to(torch.bfloat16)
+    layer.kernel_max_rows = 4
+    gen = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        for rows in (1, 4, 9):
+            x = torch.randn(rows, 40, generator=gen).to(torch.bfloat16)
+            got = layer.float_output(x)
+            assert got.dtype == torch.float32 and torch.equal(got, layer(x).float())
+        layer.float()  # float32 activations: the flag changes nothing
+        x = torch.randn(3, 40)
+        assert torch.equal(layer(x), layer.float_output(x))
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_one_row_is_the_same_at_any_thread_count(threads: int) -> None:
     """Output features are split across torch's threads: every feature is computed exactly once,
@@ -92,9 +127,9 @@ def test_fast_linear_routes_by_the_calibrated_row_count(monkeypatch: pytest.Monk
     calls = []
     real = torch.ops.spindle.linear_small_m
 
-    def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, float_out: bool = False) -> torch.Tensor:
         calls.append(x.shape[0])
-        return real(x, w, b)
+        return real(x, w, b, float_out)
 
     monkeypatch.setattr(torch.ops.spindle, "linear_small_m", spy)
     layer.kernel_max_rows = 4

@@ -274,8 +274,8 @@ class DecoderForCausalLM(SpindleModel):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab] for the rows that sample (soft-capped first where the family caps)."""
-        logits = self.lm_head(hidden)
         cap = self.config.final_logit_softcap
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        if cap is None:
+            return self.lm_head.float_output(hidden)
+        logits = self.lm_head(hidden)
+        return (torch.tanh(logits / cap) * cap).float()

@@ -93,14 +93,26 @@ class FastLinear(nn.Linear):
     probe_s: ProbeTimes = ()  # per PROBE_ROWS: (kernel, GEMM) seconds, from `calibrate`
     onednn: OneDnnWeight | None = None  # set by `calibrate` where the GEMM runs on a oneDNN-packed copy
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _runs_kernel(self, x: torch.Tensor) -> bool:
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if 0 < rows <= self.kernel_max_rows and x.dtype in ACTIVATION_DTYPES:
-            y = torch.ops.spindle.linear_small_m(x.reshape(rows, x.shape[-1]), self.weight, self.bias)
+        return 0 < rows <= self.kernel_max_rows and x.dtype in ACTIVATION_DTYPES
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._runs_kernel(x):
+            y = torch.ops.spindle.linear_small_m(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
             return y.view(*x.shape[:-1], self.out_features)
         if self.onednn is not None:
             return self.onednn.linear(x, self.weight, self.bias)
         return blas_linear(x, self.weight, self.bias)
+
+    def float_output(self, x: torch.Tensor) -> torch.Tensor:
+        """`self(x).float()`: y rounded to x's dtype, as float32 (logits for the sampler). The
+        kernel stores it so, without a second pass over y to widen it (at 64 rows of the
+        small model's LM head, two 100-us copies a step)."""
+        if self._runs_kernel(x):
+            y = torch.ops.spindle.linear_small_m(x.reshape(-1, x.shape[-1]), self.weight, self.bias, True)
+            return y.view(*x.shape[:-1], self.out_features)
+        return self(x).float()
 
 
 def blas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

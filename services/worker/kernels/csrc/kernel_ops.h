@@ -10,7 +10,8 @@
 
 namespace spindle {
 
-at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                          bool float_out = false);
 
 at::Tensor paged_attention(const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
                            at::Tensor kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,

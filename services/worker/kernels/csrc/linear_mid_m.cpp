@@ -187,8 +187,8 @@ void rows_to_columns(const float* x, float* xt, int64_t M, int64_t K, int64_t ld
 
 // One parallel unit: features [first, first + count), 24 at a time (bf16 rows widened into
 // `widened`), staged in yt, then into y's rows with the bias.
-template <typename X, typename W>
-void output_block(const X* xt, int64_t ldx, int64_t groups, const W* w, const float* bias, float* y, int64_t M,
+template <typename X, typename W, typename Y>
+void output_block(const X* xt, int64_t ldx, int64_t groups, const W* w, const float* bias, Y* y, int64_t M,
                   int64_t N, int64_t K, int64_t first, int64_t count, float* widened, float* yt) {
   const int64_t tile_groups = std::min(groups, kMaxGroups);
   for (int64_t f0 = first; f0 < first + count; f0 += kFeatureBlock) {
@@ -209,8 +209,8 @@ void output_block(const X* xt, int64_t ldx, int64_t groups, const W* w, const fl
     }
   }
   for (int64_t m = 0; m < M; ++m) {
-    float* out = y + m * N + first;
-    for (int64_t j = 0; j < count; ++j) out[j] = yt[j * ldx + m] + (bias != nullptr ? bias[first + j] : 0.0f);
+    Y* out = y + m * N + first;
+    for (int64_t j = 0; j < count; ++j) store_sum(out + j, yt[j * ldx + m] + (bias != nullptr ? bias[first + j] : 0.0f));
   }
 }
 
@@ -241,8 +241,8 @@ X* transposed(const void* x, bool x_is_bf16, int64_t M, int64_t K, int64_t ldx) 
   return xt_buffer.data();
 }
 
-template <typename X, typename W>
-void run(const void* x, bool x_is_bf16, const W* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+template <typename X, typename W, typename Y>
+void run(const void* x, bool x_is_bf16, const W* w, const float* bias, Y* y, int64_t M, int64_t N, int64_t K) {
   const int64_t groups = (M + kLanes - 1) / kLanes;
   const int64_t ldx = groups * kLanes;
   const X* xt = transposed<X>(x, x_is_bf16, M, K, ldx);
@@ -266,27 +266,29 @@ void run(const void* x, bool x_is_bf16, const W* w, const float* bias, float* y,
 
 bool mid_m_available() { return true; }
 
-void linear_mid_m(const void* x, bool x_is_bf16, const void* w, bool w_is_bf16, const float* bias, float* y,
-                  int64_t M, int64_t N, int64_t K) {
-  if (w_is_bf16) {
-    const auto* wb = static_cast<const c10::BFloat16*>(w);
+void linear_mid_m(const void* x, bool x_is_bf16, const void* w, bool w_is_bf16, const float* bias, void* y,
+                  LinearOut out, int64_t M, int64_t N, int64_t K) {
+  with_output(out, y, [&](auto* yo) {
+    if (w_is_bf16) {
+      const auto* wb = static_cast<const c10::BFloat16*>(w);
 #ifdef __AVX512BF16__
-    if (x_is_bf16 && !bf16_pairs_disabled()) {
-      run<uint32_t>(x, x_is_bf16, wb, bias, y, M, N, K);
-      return;
-    }
+      if (x_is_bf16 && !bf16_pairs_disabled()) {
+        run<uint32_t>(x, x_is_bf16, wb, bias, yo, M, N, K);
+        return;
+      }
 #endif
-    run<float>(x, x_is_bf16, wb, bias, y, M, N, K);
-  } else {
-    run<float>(x, x_is_bf16, static_cast<const float*>(w), bias, y, M, N, K);
-  }
+      run<float>(x, x_is_bf16, wb, bias, yo, M, N, K);
+    } else {
+      run<float>(x, x_is_bf16, static_cast<const float*>(w), bias, yo, M, N, K);
+    }
+  });
 }
 
 #else
 
 bool mid_m_available() { return false; }
 
-void linear_mid_m(const void*, bool, const void*, bool, const float*, float*, int64_t, int64_t, int64_t) {}
+void linear_mid_m(const void*, bool, const void*, bool, const float*, void*, LinearOut, int64_t, int64_t, int64_t) {}
 
 #endif
 

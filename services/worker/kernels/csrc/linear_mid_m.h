@@ -28,6 +28,7 @@
 #pragma once
 
 #include "env_flag.h"
+#include "linear_out.h"
 
 #include <cstdint>
 
@@ -43,11 +44,12 @@ inline bool bf16_pairs_disabled() {
   return disabled;
 }
 
-// y[M][N] = x[M][K] @ w[N][K]^T (+ bias[N]); w fp32 or bf16 (`w_is_bf16`). Splits features
-// across spindle::parallel_for. x is fp32, or bf16 where `x_is_bf16` (a --dtype bfloat16 model's
-// activations): then with bf16 W on a CPU with AVX512-BF16 the tiles run vdpbf16ps on k pairs
-// (SPINDLE_DISABLE_BF16_PAIRS=1: the fp32 tiles on x widened, for side-by-side runs).
-void linear_mid_m(const void* x, bool x_is_bf16, const void* w, bool w_is_bf16, const float* bias, float* y,
-                  int64_t M, int64_t N, int64_t K);
+// y[M][N] = x[M][K] @ w[N][K]^T (+ bias[N]), stored as `out` says; w fp32 or bf16 (`w_is_bf16`).
+// Splits features across spindle::parallel_for. x is fp32, or bf16 where `x_is_bf16` (a --dtype
+// bfloat16 model's activations): then with bf16 W on a CPU with AVX512-BF16 the tiles run
+// vdpbf16ps on k pairs (SPINDLE_DISABLE_BF16_PAIRS=1: the fp32 tiles on x widened, for
+// side-by-side runs).
+void linear_mid_m(const void* x, bool x_is_bf16, const void* w, bool w_is_bf16, const float* bias, void* y,
+                  LinearOut out, int64_t M, int64_t N, int64_t K);
 
 }  // namespace spindle

@@ -23,6 +23,7 @@
 #include "env_flag.h"
 #include "kernel_ops.h"
 #include "linear_mid_m.h"
+#include "linear_out.h"
 #include "vec_math.h"
 #include "work_pool.h"
 
@@ -65,11 +66,11 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-// out[m][f0 + f] for rows [m0, m0 + nm) and features f < nf (nm <= 3, nf <= 4); `w` points at
-// feature f0's row of W.
-template <typename W>
-inline void tile(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t m0, int64_t nm, int64_t f0,
-                 int64_t nf) {
+// y[m][f0 + f] (+ bias) for rows [m0, m0 + nm) and features f < nf (nm <= 3, nf <= 4); `w`
+// points at feature f0's row of W.
+template <typename W, typename Y>
+inline void tile(const float* x, const W* w, const float* bias, Y* y, int64_t K, int64_t N, int64_t m0, int64_t nm,
+                 int64_t f0, int64_t nf) {
   int64_t k = 0;
   float acc[kRowsPerBlock][kFeaturesPerBlock] = {};
 #ifdef __AVX2__
@@ -100,7 +101,8 @@ inline void tile(const float* x, const W* w, float* y, int64_t K, int64_t N, int
     for (int64_t m = 0; m < nm; ++m)
       for (int64_t f = 0; f < nf; ++f) acc[m][f] += x[(m0 + m) * K + k] * static_cast<float>(w[f * K + k]);
   for (int64_t m = 0; m < nm; ++m)
-    for (int64_t f = 0; f < nf; ++f) y[(m0 + m) * N + f0 + f] = acc[m][f];
+    for (int64_t f = 0; f < nf; ++f)
+      store_sum(y + (m0 + m) * N + f0 + f, acc[m][f] + (bias != nullptr ? bias[f0 + f] : 0.0f));
 }
 
 // x . w over K: one sequential read of the row w (see the top for why one row runs this way).
@@ -185,9 +187,17 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm512_castps512_ps128(_mm512_permutexvar_ps(first_of_block, s));
 }
 
+inline void store4(float* y, __m128 sums) { _mm_storeu_ps(y, sums); }
+template <typename Y>
+inline void store4(Y* y, __m128 sums) {
+  alignas(16) float s[4];
+  _mm_store_ps(s, sums);
+  for (int i = 0; i < 4; ++i) store_sum(y + i, s[i]);
+}
+
 // y[m][f0 .. f0 + 4) for the R rows of x (each K long; y's rows N apart); `w` points at feature f0's row.
-template <int R, typename L, typename X, typename W>
-inline void few_rows_tile(const X* x, const W* w, const float* bias, float* y, int64_t K, int64_t N, int64_t f0) {
+template <int R, typename L, typename X, typename W, typename Y>
+inline void few_rows_tile(const X* x, const W* w, const float* bias, Y* y, int64_t K, int64_t N, int64_t f0) {
   __m512 acc[R][kFeaturesPerBlock];
   for (auto& row : acc)
     for (auto& a : row) a = _mm512_setzero_ps();
@@ -204,11 +214,11 @@ inline void few_rows_tile(const X* x, const W* w, const float* bias, float* y, i
   // keep acc in memory and store all of it at every k step (two cycles per 512-bit store).
 #pragma GCC unroll 8
   for (int m = 0; m < R; ++m)
-    _mm_storeu_ps(y + m * N + f0, _mm_add_ps(sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]), b));
+    store4(y + m * N + f0, _mm_add_ps(sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]), b));
 }
 
-template <typename L, typename X, typename W>
-inline void few_rows_block(const X* x, const W* w, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
+template <typename L, typename X, typename W, typename Y>
+inline void few_rows_block(const X* x, const W* w, const float* bias, Y* y, int64_t M, int64_t K, int64_t N,
                            int64_t f0) {
   switch (M) {
     case 2: return few_rows_tile<2, L>(x, w, bias, y, K, N, f0);
@@ -223,8 +233,8 @@ inline void few_rows_block(const X* x, const W* w, const float* bias, float* y, 
 }
 
 // Features in blocks of 4 split across the threads; the last N % 4 (no benchmark model has any) one at a time.
-template <typename L, typename X, typename W>
-void run_few_rows(const X* x, const W* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+template <typename L, typename X, typename W, typename Y>
+void run_few_rows(const X* x, const W* w, const float* bias, Y* y, int64_t M, int64_t N, int64_t K) {
   const int64_t num_blocks = N / kFeaturesPerBlock;
   spindle::parallel_for(0, num_blocks, 16, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
@@ -236,17 +246,18 @@ void run_few_rows(const X* x, const W* w, const float* bias, float* y, int64_t M
     for (int64_t m = 0; m < M; ++m) {
       float sum = bias != nullptr ? bias[f] : 0.0f;
       for (int64_t k = 0; k < K; ++k) sum += to_float(x[m * K + k]) * to_float(w[f * K + k]);
-      y[m * N + f] = sum;
+      store_sum(y + m * N + f, sum);
     }
   }
 }
 #endif
 
-template <typename W>
-void run(const float* x, const W* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+template <typename W, typename Y>
+void run(const float* x, const W* w, const float* bias, Y* y, int64_t M, int64_t N, int64_t K) {
   if (M == 1) {
     spindle::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t f = begin; f < end; ++f) y[f] = row_dot(x, w + f * K, K) + (bias != nullptr ? bias[f] : 0.0f);
+      for (int64_t f = begin; f < end; ++f)
+        store_sum(y + f, row_dot(x, w + f * K, K) + (bias != nullptr ? bias[f] : 0.0f));
     });
     return;
   }
@@ -262,37 +273,43 @@ void run(const float* x, const W* w, const float* bias, float* y, int64_t M, int
         if (widen_once) {
           widen_row(w + f0 * K, scratch.data(), nf * K);
           for (int64_t m0 = 0; m0 < M; m0 += kRowsPerBlock)
-            tile(x, scratch.data(), y, K, N, m0, std::min(kRowsPerBlock, M - m0), f0, nf);
+            tile(x, scratch.data(), bias, y, K, N, m0, std::min(kRowsPerBlock, M - m0), f0, nf);
         }
       }
       if (!widen_once)
         for (int64_t m0 = 0; m0 < M; m0 += kRowsPerBlock)
-          tile(x, w + f0 * K, y, K, N, m0, std::min(kRowsPerBlock, M - m0), f0, nf);
-      if (bias != nullptr)
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t f = 0; f < nf; ++f) y[m * N + f0 + f] += bias[f0 + f];
+          tile(x, w + f0 * K, bias, y, K, N, m0, std::min(kRowsPerBlock, M - m0), f0, nf);
     }
   });
 }
 
+// x's rows in fp32: fp32 x in place, bf16 x widened into this thread's buffer (a few KB at
+// decode sizes; a torch conversion was an op and a tensor a call).
+const float* float_rows(const at::Tensor& x) {
+  if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
+  thread_local std::vector<float> widened;
+  widened.resize(static_cast<size_t>(x.numel()));
+  widen_row(x.data_ptr<c10::BFloat16>(), widened.data(), x.numel());
+  return widened.data();
+}
+
 // 2 to kMidRows - 1 rows on the few-rows tiles where this build has them; false: the caller runs run().
-bool few_rows(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& y, int64_t M, int64_t N,
-              int64_t K) {
+template <typename Y>
+bool few_rows(const at::Tensor& x, const at::Tensor& w, const float* bias, Y* y, int64_t M, int64_t N, int64_t K) {
 #ifdef SPINDLE_FEW_ROWS_TILES
   if (M < 2 || few_rows_disabled()) return false;
-  float* out = y.data_ptr<float>();
   const bool w_is_bf16 = w.scalar_type() == at::kBFloat16;
 #ifdef __AVX512BF16__
   if (w_is_bf16 && x.scalar_type() == at::kBFloat16 && !bf16_pairs_disabled()) {
-    run_few_rows<Bf16Pairs>(x.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(), bias, out, M, N, K);
+    run_few_rows<Bf16Pairs>(x.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(), bias, y, M, N, K);
     return true;
   }
 #endif
-  const at::Tensor xf = x.to(at::kFloat);
+  const float* xf = float_rows(x);
   if (w_is_bf16) {
-    run_few_rows<Fp32Lanes>(xf.data_ptr<float>(), w.data_ptr<c10::BFloat16>(), bias, out, M, N, K);
+    run_few_rows<Fp32Lanes>(xf, w.data_ptr<c10::BFloat16>(), bias, y, M, N, K);
   } else {
-    run_few_rows<Fp32Lanes>(xf.data_ptr<float>(), w.data_ptr<float>(), bias, out, M, N, K);
+    run_few_rows<Fp32Lanes>(xf, w.data_ptr<float>(), bias, y, M, N, K);
   }
   return true;
 #else
@@ -303,10 +320,13 @@ bool few_rows(const at::Tensor& x, const at::Tensor& w, const float* bias, at::T
 }  // namespace
 
 // x may be float32 or bfloat16 (a --dtype bfloat16 model): the sums stay fp32 and y is rounded to
-// x's dtype at the end, as a native bf16 GEMM rounds its fp32 accumulators; the bias, if any, is
-// in x's dtype. linear_mid_m takes bf16 rows as they are (in k pairs, or widened as it
-// transposes them); the small-M tiles get them widened once (a few KB for a decode step's rows).
-at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+// x's dtype as each kernel stores it (linear_out.h), as a native bf16 GEMM rounds its fp32
+// accumulators; the bias, if any, is in x's dtype. `float_out`: y in float32 whatever x's dtype,
+// still rounded to it (logits for the sampler, without a pass to widen them). linear_mid_m takes
+// bf16 rows as they are (in k pairs, or widened as it transposes them); the small-M tiles get
+// them widened once (a few KB for a decode step's rows).
+at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                          bool float_out) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear_small_m: x [M, K], weight [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "linear_small_m: x must be float32 or bfloat16");
@@ -315,7 +335,9 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c
   const at::Tensor xc = x.contiguous();
   const at::Tensor wc = weight.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
-  at::Tensor y = at::empty({M, N}, xc.options().dtype(at::kFloat));
+  const bool x_is_bf16 = xc.scalar_type() == at::kBFloat16;
+  const LinearOut out = !x_is_bf16 ? LinearOut::kFloat : float_out ? LinearOut::kBFloat16AsFloat : LinearOut::kBFloat16;
+  at::Tensor y = at::empty({M, N}, xc.options().dtype(out == LinearOut::kBFloat16 ? at::kBFloat16 : at::kFloat));
   const float* b = nullptr;
   at::Tensor bc;
   if (bias.has_value() && bias->defined()) {
@@ -326,21 +348,25 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c
   }
   const bool w_is_bf16 = wc.scalar_type() == at::kBFloat16;
   if (M >= kMidRows && mid_m_available()) {
-    linear_mid_m(xc.data_ptr(), xc.scalar_type() == at::kBFloat16, wc.data_ptr(), w_is_bf16, b, y.data_ptr<float>(),
-                 M, N, K);
-  } else if (!few_rows(xc, wc, b, y, M, N, K)) {
-    const at::Tensor xf = xc.to(at::kFloat);
-    if (w_is_bf16) {
-      run(xf.data_ptr<float>(), wc.data_ptr<c10::BFloat16>(), b, y.data_ptr<float>(), M, N, K);
-    } else {
-      run(xf.data_ptr<float>(), wc.data_ptr<float>(), b, y.data_ptr<float>(), M, N, K);
-    }
+    linear_mid_m(xc.data_ptr(), x_is_bf16, wc.data_ptr(), w_is_bf16, b, y.data_ptr(), out, M, N, K);
+    return y;
   }
-  return y.to(x.scalar_type());
+  with_output(out, y.data_ptr(), [&](auto* yo) {
+    if (few_rows(xc, wc, b, yo, M, N, K)) return;
+    const float* xf = float_rows(xc);
+    if (w_is_bf16) {
+      run(xf, wc.data_ptr<c10::BFloat16>(), b, yo, M, N, K);
+    } else {
+      run(xf, wc.data_ptr<float>(), b, yo, M, N, K);
+    }
+  });
+  return y;
 }
 
 }  // namespace spindle
 
-TORCH_LIBRARY_FRAGMENT(spindle, m) { m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(spindle, m) {
+  m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias, bool float_out=False) -> Tensor");
+}
 
 TORCH_LIBRARY_IMPL(spindle, CPU, m) { m.impl("linear_small_m", &spindle::linear_small_m); }
