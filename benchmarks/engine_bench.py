@@ -32,6 +32,7 @@ from services.worker.step_phases import PHASES
 from services.worker.worker import Worker
 from shared.execute import CachedRequestData, ExecuteRound, NewRequestData
 from shared.sampling import SamplingOptions
+from shared.startup_heap import freeze_startup_heap
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +123,7 @@ def main() -> None:
                                  kv_cache_dtype=args.kv_cache_dtype, num_threads=args.threads))
     runner = worker.runner
     assert isinstance(runner, ModelRunner), "the engine bench runs decoder models"
+    freeze_startup_heap()  # as the worker service does: full GC passes would walk the start-up heap mid-run
     print(f"engine: {model_dir}, {torch.get_num_threads()} threads, {args.input_len} prompt + {args.output_len} "
           f"output tokens, {args.steps} steps a round")
     shown = [p for p in PHASES if p not in ("encode", "pool")]
