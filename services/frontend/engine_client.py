@@ -189,9 +189,10 @@ class EngineClient:
             for i, add in enumerate(sample_requests(prepared.add, prepared.num_samples))
         ]
         telemetry = prepared.telemetry
-        events = (self._sample_events(prepared, samples[0]) if len(samples) == 1
-                  else merge([self._sample_events(prepared, s) for s in samples]))
-        events = with_total_usage(events, len(samples))
+        if len(samples) == 1:  # its complete carries the total itself: one generator less a token
+            events = self._sample_events(prepared, samples[0], alone=True)
+        else:
+            events = with_total_usage(merge([self._sample_events(prepared, s) for s in samples]), len(samples))
         if prepared.num_samples > prepared.n:
             events = pick_best(events, prepared.n, prepared.logprobs_wanted)
         completes: list[GenerateComplete] = []
@@ -212,8 +213,10 @@ class EngineClient:
                 telemetry.finish_with("abort", usage)
             raise
 
-    async def _sample_events(self, prepared: PreparedRequest, sample: _Sample) -> AsyncIterator[GenerateEvent]:
-        """One sample's events: echo, then a chunk per step with new output, then its complete.
+    async def _sample_events(self, prepared: PreparedRequest, sample: _Sample,
+                             alone: bool = False) -> AsyncIterator[GenerateEvent]:
+        """One sample's events: echo, then a chunk per step with new output, then its complete
+        (`alone`: the request's only sample, whose complete carries the request's total usage).
 
         The echo chunk waits for the scheduler's first update, so a request the scheduler
         refuses at once (backpressure) still fails before an HTTP stream has started.
@@ -241,6 +244,8 @@ class EngineClient:
                     yield chunk
         complete = processor.complete()
         complete.index = index
+        if alone:
+            complete.total_usage = total_usage([complete.usage])
         yield complete
 
     async def _prompt_token_ids(self, request: GenerateInput) -> list[int]:

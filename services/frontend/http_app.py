@@ -10,7 +10,6 @@ client disconnected, which aborts the request in the scheduler.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -26,6 +25,7 @@ from services.frontend.openai_format import (
     Choice,
     CompletionFormatter,
     ResponseFormatter,
+    dumps_json,
     error_body,
 )
 from services.frontend.openai_protocol import Endpoint, OpenAIRequest, parse_chat, parse_completion, read_json
@@ -46,14 +46,10 @@ FORMATTERS: dict[Endpoint, tuple[str, type[ResponseFormatter]]] = {
 }
 
 
-def _dumps(body: object) -> bytes:
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-
-
 def error_response(error: SpindleError) -> web.Response:
     status = http_status(error)
     headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s is not None else None
-    return web.Response(body=_dumps(error_body(error, status)), status=status, content_type="application/json",
+    return web.Response(body=dumps_json(error_body(error, status)), status=status, content_type="application/json",
                         headers=headers)
 
 
@@ -102,7 +98,7 @@ async def _collect(formatter: ResponseFormatter, events: AsyncIterator[GenerateE
             choice.complete = event
             if event.total_usage is not None:  # the last choice to finish
                 body = formatter.response(choices, event.total_usage)
-                return web.Response(body=_dumps(body), content_type="application/json")
+                return web.Response(body=dumps_json(body), content_type="application/json")
             continue
         choice.texts.append(event.text)
         if event.logprobs is not None:
@@ -134,7 +130,7 @@ async def _stream_events(response: web.StreamResponse, formatter: ResponseFormat
             await _send(response, start)
         while True:
             if isinstance(event, GenerateChunk):
-                await _send(response, formatter.chunk(event))
+                await _send_json(response, formatter.chunk_json(event))
             else:
                 await _send(response, formatter.end_chunk(event))
                 if event.total_usage is not None:  # the last choice to finish
@@ -147,7 +143,11 @@ async def _stream_events(response: web.StreamResponse, formatter: ResponseFormat
 
 
 async def _send(response: web.StreamResponse, body: object) -> None:
-    await response.write(b"data: " + _dumps(body) + b"\n\n")
+    await _send_json(response, dumps_json(body))
+
+
+async def _send_json(response: web.StreamResponse, body: bytes) -> None:
+    await response.write(b"data: " + body + b"\n\n")
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -1,11 +1,13 @@
 """OpenAI response bodies: completions and chat, whole and as stream chunks; usage, logprobs, errors.
 
-Pure functions from the frontend's dataclasses to JSON-ready dicts; the HTTP app serialises.
-A request with n choices has one choice per index; stream chunks carry one choice each.
+Pure functions from the frontend's dataclasses to JSON-ready dicts; the HTTP app serialises
+(`dumps_json`). A request with n choices has one choice per index; stream chunks carry one choice
+each, and a streamed text chunk comes encoded from a per-choice template (`chunk_json`).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -24,6 +26,20 @@ from services.frontend.tools import ToolRequest
 from shared.errors import ErrorKind, SpindleError
 
 TokenText = Callable[[int], str]
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+# Stands for a text chunk's text in its choice's template: a string no model name or id holds.
+_TEXT_MARK = "\x00spindle-chunk-text\x00"
+
+
+def dumps_json(body: object) -> bytes:
+    """`body` as compact UTF-8 JSON, as every response body is sent."""
+    return _JSON.encode(body).encode()
+
+
+def _split_at_text(body: dict[str, object]) -> tuple[bytes, bytes] | None:
+    """`body`'s JSON before and after its one `_TEXT_MARK` (None: not exactly one)."""
+    parts = dumps_json(body).split(dumps_json(_TEXT_MARK))
+    return (parts[0], parts[1]) if len(parts) == 2 else None
 # JSON has no -inf; a token the model rules out gets this (as vLLM does).
 _MIN_LOGPROB = -9999.0
 
@@ -164,6 +180,7 @@ class ResponseFormatter(ABC):
         self.created = int(time.time())
         self._num_prompt_tokens = num_prompt_tokens
         self._num_output_tokens = 0  # over every choice, for continuous usage
+        self._templates: dict[int, tuple[bytes, bytes] | None] = {}  # per choice: see chunk_json
 
     def _chunk(self, choices: list[dict[str, object]], usage: Usage | None = None) -> dict[str, object]:
         if usage is None and self.continuous_usage:
@@ -184,9 +201,36 @@ class ResponseFormatter(ABC):
 
     def chunk(self, chunk: GenerateChunk) -> dict[str, object]:
         """One stream chunk with a step's new text for one choice."""
+        choice = self._chunk_choice(chunk)
+        self._note(chunk)
+        return self._chunk([choice])
+
+    def chunk_json(self, chunk: GenerateChunk) -> bytes:
+        """`dumps_json(self.chunk(chunk))`. A chunk of text alone (no logprobs, no running usage, a
+        choice `_text_choice` has a plain form for) is spliced into its choice's template, made
+        once: only the text is encoded per token, where json.dumps of the whole dict took ~4 us
+        of the ~45 us of Python the frontend spent on a streamed token (64 streams)."""
+        template = None if chunk.logprobs is not None or self.continuous_usage else self._template(chunk.index)
+        if template is None:
+            return dumps_json(self.chunk(chunk))
+        self._note(chunk)
+        before, after = template
+        return before + dumps_json(chunk.text) + after
+
+    def _template(self, index: int) -> tuple[bytes, bytes] | None:
+        if index not in self._templates:
+            choice = self._text_choice(index, _TEXT_MARK)
+            self._templates[index] = None if choice is None else _split_at_text(self._chunk([choice]))
+        return self._templates[index]
+
+    def _note(self, chunk: GenerateChunk) -> None:
+        """What every stream chunk counts (after its choice is made)."""
         if not chunk.is_prompt:
             self._num_output_tokens += len(chunk.token_ids)
-        return self._chunk([self._chunk_choice(chunk)])
+
+    @abstractmethod
+    def _text_choice(self, index: int, text: str) -> dict[str, object] | None:
+        """The choice of a chunk of `text` without logprobs; None where this choice has no such plain form."""
 
     @abstractmethod
     def start_chunks(self, n: int) -> list[dict[str, object]]:
@@ -222,9 +266,14 @@ class CompletionFormatter(ResponseFormatter):
         return []
 
     def _chunk_choice(self, chunk: GenerateChunk) -> dict[str, object]:
-        logprobs = self._logprobs(chunk.index, chunk.logprobs)
+        return completion_choice(chunk.index, chunk.text, None, self._logprobs(chunk.index, chunk.logprobs))
+
+    def _text_choice(self, index: int, text: str) -> dict[str, object] | None:
+        return completion_choice(index, text, None, None)
+
+    def _note(self, chunk: GenerateChunk) -> None:
+        super()._note(chunk)
         self._text_offsets[chunk.index] = self._text_offsets.get(chunk.index, 0) + len(chunk.text)
-        return completion_choice(chunk.index, chunk.text, None, logprobs)
 
     def end_chunk(self, complete: GenerateComplete) -> dict[str, object]:
         return self._chunk([completion_choice(complete.index, "", complete.finish_reason, None,
@@ -279,6 +328,11 @@ class ChatFormatter(ResponseFormatter):
         reader = self._reader(chunk.index)
         delta = {"content": chunk.text} if reader is None else _tool_delta(reader.feed(chunk.text))
         return chat_delta_choice(chunk.index, delta, None, self._logprobs(chunk.logprobs))
+
+    def _text_choice(self, index: int, text: str) -> dict[str, object] | None:
+        if self._reader(index) is not None:  # tool calls are read from the text: no fixed form
+            return None
+        return chat_delta_choice(index, {"content": text}, None, None)
 
     def end_chunk(self, complete: GenerateComplete) -> dict[str, object]:
         reader = self._reader(complete.index)
