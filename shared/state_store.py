@@ -39,6 +39,8 @@ class JournalEntry:
 class StateStore(abc.ABC):
     """Journal of accepted requests plus windowed counters."""
 
+    outlives_process = True  # what it holds is still there for the next process that opens it
+
     @abc.abstractmethod
     async def write_journal(self, batch: JournalBatch) -> None:
         """Apply one batch (one round trip for Redis)."""
@@ -56,6 +58,8 @@ class StateStore(abc.ABC):
 
 
 class InMemoryStateStore(StateStore):
+    outlives_process = False
+
     def __init__(self) -> None:
         self._records: dict[str, bytes] = {}
         self._outputs: dict[str, list[int]] = {}

@@ -141,7 +141,10 @@ async def serve(config: SchedulerConfig) -> None:
     # The lambda reads `engine` at scrape time: the scheduler exists once every worker is ready.
     metrics = SchedulerMetrics(lambda: engine.scheduler)
     store = open_state_store(config.state_store)
-    engine = EngineLoop(config, links, observer=SchedulerTelemetry(tracing, metrics), store=store)
+    if not store.outlives_process:
+        logger.info("no request journal: the %r state store would not outlive this process", config.state_store)
+    engine = EngineLoop(config, links, observer=SchedulerTelemetry(tracing, metrics),
+                        store=store if store.outlives_process else None)
     svc = await start_grpc(config.listen, lambda server: register(server, engine), [SERVICE_NAME],
                            credentials=grpc_server_credentials(config.internal_tls))
 

@@ -29,7 +29,7 @@ from shared.errors import ErrorKind, UnavailableError
 from shared.execute import StepOutput
 from shared.logs import request_extra
 from shared.metrics import seconds_since_unix_ns
-from shared.state_store import InMemoryStateStore, StateStore
+from shared.state_store import StateStore
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class EngineLoop:
                  clock: Callable[[], float] = time.time, observer: RequestObserver | None = None,
                  store: StateStore | None = None) -> None:
         self.config = config
-        self.journal = Journal(store or InMemoryStateStore(), self._live_request)
+        self.journal = Journal(store, self._live_request)  # no store: no journal (nothing outlives this process)
         self.observer = ObserverGroup([observer, self.journal] if observer is not None else [self.journal])
         # Requests a previous scheduler journaled, waiting for their frontend to re-submit them.
         self._orphans: dict[str, Request] = {}
