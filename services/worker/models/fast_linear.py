@@ -93,14 +93,19 @@ class FastLinear(nn.Linear):
     probe_s: ProbeTimes = ()  # per PROBE_ROWS: (kernel, GEMM) seconds, from `calibrate`
     onednn: OneDnnWeight | None = None  # set by `calibrate` where the GEMM runs on a oneDNN-packed copy
 
-    def _runs_kernel(self, x: torch.Tensor) -> bool:
+    def _kernel(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor | None:
+        """The small-M kernel's y for `x` (`float_out`: as float32, see the op), or None where x
+        is past its calibrated rows or not an activation dtype it takes."""
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        return 0 < rows <= self.kernel_max_rows and x.dtype in ACTIVATION_DTYPES
+        if not (0 < rows <= self.kernel_max_rows and x.dtype in ACTIVATION_DTYPES):
+            return None
+        y = torch.ops.spindle.linear_small_m(x.reshape(rows, x.shape[-1]), self.weight, self.bias, float_out)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._runs_kernel(x):
-            y = torch.ops.spindle.linear_small_m(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
-            return y.view(*x.shape[:-1], self.out_features)
+        y = self._kernel(x)
+        if y is not None:
+            return y
         if self.onednn is not None:
             return self.onednn.linear(x, self.weight, self.bias)
         return blas_linear(x, self.weight, self.bias)
@@ -109,11 +114,8 @@ class FastLinear(nn.Linear):
         """`self(x).float()`: y rounded to x's dtype, as float32 (logits for the sampler). The
         kernel stores it so, without a second pass over y to widen it (at 64 rows of the
         small model's LM head, two 100-us copies a step)."""
-        if self._runs_kernel(x):
-            y = torch.ops.spindle.linear_small_m(x.reshape(-1, x.shape[-1]), self.weight, self.bias, True)
-            return y.view(*x.shape[:-1], self.out_features)
-        return self(x).float()
-
+        y = self._kernel(x, float_out=True)
+        return y if y is not None else self(x).float()
 
 def blas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear; weights stored narrower than `x` are widened a slice of output features at a time."""
