@@ -53,6 +53,9 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
     ServeFlag("kv_cache_dtype", (WORKER,), str,
               "auto | float32 | bfloat16 | float16: the KV cache's storage (16-bit with float32 activations on "
               "CPU paged attention: twice the tokens in the same budget)"),
+    ServeFlag("encoder_matmul", (WORKER,), str,
+              "auto | float32 | bfloat16: inputs of an embedding or cross-encoder model's GEMMs (CPU, float32 "
+              "activations); auto: bfloat16 for embedding models on a CPU with bf16 math"),
     ServeFlag("device", (WORKER,), str, "auto | cpu | cuda"),
     ServeFlag("kv_cache_bytes", (WORKER,), int, "KV cache budget per CPU worker"),
     ServeFlag("block_size", (WORKER,), int, "tokens per KV block"),

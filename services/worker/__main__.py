@@ -15,7 +15,7 @@ import sys
 import grpc
 
 from services.cpu_affinity import add_cpu_cores_argument
-from services.worker.config import DEFAULT_LISTEN, KV_CACHE_DTYPES, WEIGHT_DTYPES, WorkerConfig
+from services.worker.config import DEFAULT_LISTEN, ENCODER_MATMULS, KV_CACHE_DTYPES, WEIGHT_DTYPES, WorkerConfig
 from services.worker.round_pipeline import RoundPipeline, compute_thread
 from services.worker.servicer import WorkerServicer
 from services.worker.telemetry import WorkerTelemetry
@@ -74,6 +74,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=KV_CACHE_DTYPES,
         help="how the KV cache is stored; auto: as --dtype. bfloat16 or float16 with float32 activations "
         "(CPU, paged attention) holds twice the tokens and halves what attention reads [SPINDLE_KV_CACHE_DTYPE]",
+    )
+    parser.add_argument(
+        "--encoder-matmul",
+        default=_env("ENCODER_MATMUL", "auto"),
+        choices=ENCODER_MATMULS,
+        help="inputs of an embedding or cross-encoder model's GEMMs under float32 activations (CPU): bfloat16 "
+        "(float32 accumulation) or float32; auto: bfloat16 for embedding models on a CPU with bf16 math "
+        "[SPINDLE_ENCODER_MATMUL]",
     )
     parser.add_argument(
         "--attention-backend",
@@ -147,6 +155,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         dtype=args.dtype,
         weight_dtype=args.weight_dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        encoder_matmul=args.encoder_matmul,
         attention_backend=args.attention_backend,
         block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_bytes,

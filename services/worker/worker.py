@@ -25,6 +25,7 @@ from services.worker.models.bert import EncoderModel
 from services.worker.models.config import DecoderConfig
 from services.worker.models.llava import LlavaModelConfig
 from services.worker.models.loader import load_model, parse_config, read_hf_config
+from services.worker.models.prepacked_linear import use_bf16_inputs
 from services.worker.pooling import load_pooling_config
 from services.worker.pooling_runner import PoolingRunner
 from shared.execute import ExecuteRound, NewRequestData, WorkerInfo
@@ -97,6 +98,34 @@ def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, backend_name: str) -> 
     return kv_dtype
 
 
+def resolve_encoder_matmul(name: str, task: RequestKind, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The inputs' dtype of a prefill-only model's GEMMs (`WorkerConfig.encoder_matmul`).
+
+    auto is bfloat16 only for embedding models, on a CPU with bf16 math, under float32
+    activations: an embedding is read through cosine similarity, which the rounding moves by
+    ~3e-5 (all-MiniLM-L6-v2), while a cross-encoder's score is read as a number and ranks, so
+    it stays float32 unless asked. Without bf16 math a bf16 GEMM is emulated and slower than
+    float32, hence float32 there."""
+    if task is RequestKind.GENERATE:
+        if name != "auto":
+            raise ValueError("encoder_matmul applies to embedding and cross-encoder models; leave it auto "
+                             "for decoders (see weight_dtype and dtype)")
+        return dtype
+    if name != "auto" and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError(f"encoder_matmul={name} applies under float32 activations on CPU; here the activations "
+                         f"are {str(dtype).removeprefix('torch.')} on {device.type} (leave it auto)")
+    if name == "float32" or device.type != "cpu" or dtype != torch.float32:
+        return dtype
+    from services.worker.kernels.build import cpu_has_native_bf16
+
+    if name == "bfloat16":
+        if not cpu_has_native_bf16():
+            logger.warning("encoder_matmul bfloat16 on a CPU without native bf16 math: its GEMMs are emulated "
+                           "and slower than float32")
+        return torch.bfloat16
+    return torch.bfloat16 if task is RequestKind.EMBED and cpu_has_native_bf16() else torch.float32
+
+
 class Worker:
     """A loaded model (with its KV cache for decoders), ready to execute rounds."""
 
@@ -120,6 +149,7 @@ class Worker:
         self.backend_name = backend_name
         self.model_config = parse_config(read_hf_config(config.model))
         self.task = resolve_model(self.model_config.architecture)[0].task
+        self.encoder_matmul = resolve_encoder_matmul(config.encoder_matmul, self.task, self.dtype, self.device)
         self.model_id = Path(os.path.abspath(config.model)).name
         self.runner: ModelRunner | PoolingRunner
         if self.task is RequestKind.GENERATE:
@@ -202,6 +232,10 @@ class Worker:
         model = load_model(self.config.model, self.backend, self.dtype, self.device)
         assert isinstance(model, EncoderModel)
         self.model = model
+        if self.encoder_matmul != self.dtype:
+            num_layers = use_bf16_inputs(model)
+            logger.info("encoder GEMMs: bfloat16 inputs, float32 accumulation, in %d linear layers "
+                        "(--encoder-matmul %s; float32 keeps them float32)", num_layers, self.config.encoder_matmul)
         self.runner = PoolingRunner(
             model, self.backend, pooling, max_model_len=self.max_model_len, device=self.device
         )

@@ -198,7 +198,7 @@ def test_the_chart_sets_no_spindle_variable_beyond_those_checked() -> None:
     for component in SERVICES:
         sets += [f"{component}.config.{key}=1" for key in values[component]["config"]]
     sets += ["worker.config.device=cpu", "worker.config.dtype=auto", "worker.config.attentionBackend=auto",
-             "worker.config.weightDtype=auto", "worker.config.kvCacheDtype=auto",
+             "worker.config.weightDtype=auto", "worker.config.kvCacheDtype=auto", "worker.config.encoderMatmul=auto",
              "scheduler.config.enablePrefixCaching=true",
              "scheduler.config.enablePriorityPreemption=false"]
     manifests = render(sets=tuple(sets))
@@ -221,7 +221,7 @@ def test_config_block_becomes_environment_the_services_parse(tmp_path: Path) -> 
     # naively 1073741824 would become 1.073741824e+09, which int() refuses.
     values.write_text(yaml.safe_dump({
         "worker": {"config": {"kvCacheBytes": 1073741824, "gpuMemoryFraction": 0.85, "kvCacheDtype": "bfloat16",
-                              "attentionBackend": "paged"}},
+                              "attentionBackend": "paged", "encoderMatmul": "float32"}},
         "scheduler": {"config": {"enablePrefixCaching": False}},
         "frontend": {"config": {"requestTimeoutS": 30}},
     }))
@@ -230,6 +230,7 @@ def test_config_block_becomes_environment_the_services_parse(tmp_path: Path) -> 
     assert worker["SPINDLE_KV_CACHE_BYTES"] == "1073741824"
     assert worker["SPINDLE_GPU_MEMORY_FRACTION"] == "0.85"
     assert (worker["SPINDLE_KV_CACHE_DTYPE"], worker["SPINDLE_ATTENTION_BACKEND"]) == ("bfloat16", "paged")
+    assert worker["SPINDLE_ENCODER_MATMUL"] == "float32"
     assert config_data(manifests, "scheduler")["SPINDLE_ENABLE_PREFIX_CACHING"] == "false"
     assert config_data(manifests, "frontend")["SPINDLE_REQUEST_TIMEOUT_S"] == "30"
     # A null config key is left out, so the service keeps its own default.

@@ -19,6 +19,8 @@ from transformers import (
 )
 
 from services.worker.config import WorkerConfig
+from services.worker.kernels.build import cpu_has_native_bf16
+from services.worker.models.prepacked_linear import PrepackedLinear
 from services.worker.step_output import PooledStep
 from services.worker.worker import Worker
 from shared.execute import ExecuteRound, PoolingRequestData, StepOutput
@@ -37,8 +39,10 @@ def _sentences(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.choice([1, 2, 5, 12, 30, 70]))) for _ in range(n)]
 
 
-def _worker(model_dir: Path, backend: str = "sdpa") -> Worker:
-    return Worker(WorkerConfig(model=str(model_dir), attention_backend=backend, num_threads=2))
+def _worker(model_dir: Path, backend: str = "sdpa", encoder_matmul: str = "float32") -> Worker:
+    """float32 GEMMs unless asked: the oracle tolerances below are float32's (bf16 inputs: their own test)."""
+    return Worker(WorkerConfig(model=str(model_dir), attention_backend=backend, num_threads=2,
+                               encoder_matmul=encoder_matmul))
 
 
 def _run(worker: Worker, round_: ExecuteRound) -> list[StepOutput]:
@@ -85,6 +89,22 @@ def test_minilm_embeddings_match_sentence_transformers(
     torch.testing.assert_close(ours, raw, atol=1e-4, rtol=1e-4)  # raw: mean pooling, not normalised
     normalized = _pool(worker, RequestKind.EMBED, encoded, per_round=40, normalize=True)
     torch.testing.assert_close(normalized, reference, atol=2e-5, rtol=0)  # ST's pipeline ends in Normalize
+
+
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="without bf16 math a bf16 GEMM is emulated (slow)")
+def test_minilm_bf16_matmul_stays_within_cosine_of_sentence_transformers(
+    minilm_dir: Path, minilm_reference: tuple[dict, torch.Tensor, torch.Tensor]
+) -> None:
+    """auto on this CPU: bf16 GEMM inputs, float32 elsewhere; vectors within the embedding oracle."""
+    encoded, reference, raw = minilm_reference
+    worker = _worker(minilm_dir, "paged", encoder_matmul="auto")
+    layers = [m for m in worker.model.modules() if isinstance(m, PrepackedLinear)]
+    assert layers and all(m.bf16_inputs for m in layers)
+    ours = _pool(worker, RequestKind.EMBED, encoded, per_round=20)
+    cosine = torch.nn.functional.cosine_similarity(ours, reference)
+    assert cosine.min() >= 0.9999, cosine
+    assert not torch.equal(ours, raw), "the bf16 GEMMs ran: float32 would match to the last bits"
+    torch.testing.assert_close(ours, raw, atol=2e-2, rtol=2e-2)
 
 
 def test_cross_encoder_logits_match_transformers(cross_encoder_dir: Path) -> None:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.models.prepacked_linear import PrepackedLinear
+from services.worker.models.prepacked_linear import PrepackedLinear, use_bf16_inputs
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -65,3 +65,25 @@ def test_other_dtypes_keep_f_linear() -> None:
 
 def test_checkpoint_names_are_nn_linear_names() -> None:
     assert set(_layer().state_dict()) == set(nn.Linear(48, 80).state_dict()) == {"weight", "bias"}
+
+
+@needs_onednn
+@pytest.mark.parametrize("gelu", [False, True])
+def test_bf16_inputs_run_the_bf16_gemm_and_return_float32(gelu: bool) -> None:
+    """float32 in and out; in between the bf16 GEMM on rounded inputs, as a bf16 layer computes it."""
+    torch.manual_seed(0)
+    layer = PrepackedLinear(48, 80, gelu=gelu)
+    assert use_bf16_inputs(nn.Sequential(layer, nn.ReLU())) == 1 and layer.bf16_inputs
+    x = torch.randn(300, 48)
+    with torch.inference_mode():
+        out = layer(x)
+        bf16_layer = PrepackedLinear(48, 80, gelu=gelu).to(torch.bfloat16)
+        bf16_layer.load_state_dict(layer.state_dict())
+        expected = bf16_layer(x.to(torch.bfloat16)).float()
+    packed = layer.onednn.packed
+    assert out.dtype == torch.float32 and packed is not None and packed.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    reference = F.linear(x, layer.weight, layer.bias)
+    reference = F.gelu(reference) if gelu else reference
+    torch.testing.assert_close(out, reference, atol=5e-2, rtol=2e-2)  # bf16's 8-bit mantissa, not float32's
+    assert not torch.equal(out, reference)

@@ -139,6 +139,31 @@ def test_bf16_activations_on_a_cpu_without_bf16_math_warn(monkeypatch: pytest.Mo
     assert (not native) == any("--weight-dtype bfloat16" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_encoder_matmul_is_bf16_by_default_only_for_embeddings_on_a_cpu_with_bf16_math(
+        monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+    from services.worker.kernels import build
+    from services.worker.worker import resolve_encoder_matmul
+    from shared.types import RequestKind
+
+    monkeypatch.setattr(build, "_cpu_features", lambda: "avx2 avx512_bf16" if native else "avx2 fma")
+    cpu, cuda, f32, bf16 = torch.device("cpu"), torch.device("cuda"), torch.float32, torch.bfloat16
+    auto_embed = bf16 if native else f32
+    assert resolve_encoder_matmul("auto", RequestKind.EMBED, f32, cpu) == auto_embed
+    assert resolve_encoder_matmul("auto", RequestKind.SCORE, f32, cpu) == f32  # scores are read as numbers
+    assert resolve_encoder_matmul("float32", RequestKind.EMBED, f32, cpu) == f32
+    assert resolve_encoder_matmul("bfloat16", RequestKind.SCORE, f32, cpu) == bf16  # asked: anywhere (slow without)
+    assert resolve_encoder_matmul("auto", RequestKind.EMBED, bf16, cpu) == bf16  # the activations' dtype already
+    assert resolve_encoder_matmul("auto", RequestKind.EMBED, f32, cuda) == f32
+    assert resolve_encoder_matmul("auto", RequestKind.GENERATE, f32, cpu) == f32
+    for name, task, dtype, device in (("bfloat16", RequestKind.GENERATE, f32, cpu),
+                                      ("float32", RequestKind.GENERATE, f32, cpu),
+                                      ("bfloat16", RequestKind.EMBED, bf16, cpu),
+                                      ("bfloat16", RequestKind.EMBED, f32, cuda)):
+        with pytest.raises(ValueError, match="encoder_matmul"):
+            resolve_encoder_matmul(name, task, dtype, device)
+
+
 def test_kv_cache_dtype_is_16_bit_under_float32_with_paged_attention_only() -> None:
     from services.worker.worker import resolve_kv_cache_dtype
 
