@@ -7,13 +7,14 @@ import asyncio
 import threading
 from pathlib import Path
 
+from services.frontend.messages import ChatMessage
 from services.frontend.tokenizer import INLINE_MAX_CHARS, Tokenizer
 
 
 def _recording(tokenizer: Tokenizer) -> list[str]:
     """Names of the threads that ran each encode, in order."""
     threads: list[str] = []
-    encode, encode_batch = tokenizer._encode, tokenizer._encode_batch
+    encode, encode_batch, render = tokenizer._encode, tokenizer._encode_batch, tokenizer._render_chat
 
     def on_thread(fn):  # type: ignore[no-untyped-def]
         def run(*args):  # type: ignore[no-untyped-def]
@@ -23,6 +24,7 @@ def _recording(tokenizer: Tokenizer) -> list[str]:
 
     tokenizer._encode = on_thread(encode)  # type: ignore[method-assign]
     tokenizer._encode_batch = on_thread(encode_batch)  # type: ignore[method-assign]
+    tokenizer._render_chat = on_thread(render)  # type: ignore[method-assign]
     return threads
 
 
@@ -41,6 +43,16 @@ async def test_short_inputs_skip_the_pool_only_while_it_is_idle(tokenizer_dir: P
         inline = await tokenizer.encode(short)
         pooled = await tokenizer.encode(long)
         assert threads == [loop_thread, "tokenizer_0"] and len(pooled) > len(inline)
+        threads.clear()
+
+        # A short chat renders (and encodes) on the loop; one with tools renders on the pool.
+        chat = [ChatMessage("user", short)]
+        assert await tokenizer.encode_chat(chat) == await tokenizer.encode_chat(chat, tools=None)
+        assert threads == [loop_thread] * 4
+        threads.clear()
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        await tokenizer.encode_chat(chat, tools=[tool])
+        assert threads == ["tokenizer_0", loop_thread]
         threads.clear()
 
         # A long encode in flight: the short one queues behind it on the pool instead of running beside it.
