@@ -22,7 +22,7 @@ in worker.py): float32 activations are rounded to bfloat16 at the GEMM's input a
 widened back, against a bfloat16 packed copy of the weight, with float32 accumulation; the
 residual stream, layer norms, attention and pooling stay float32. The GEMMs are ~80 % of an
 encoder round, and oneDNN's bf16 GEMM runs at ~2x its fp32 one on AVX512-BF16: all-MiniLM-L6-v2,
-64-sentence rounds, in process on a 2-core AMD Zen 4, 7,455-7,689 -> 10,952 tokens/s, every vector
+64-sentence rounds, in process on a 2-core AMD Zen 4, 6,700-7,689 -> 9,862-11,005 tokens/s, every vector
 within cosine 0.99997 of float32 (`--dtype bfloat16`, the residual stream in bf16 too: 12,345-13,081
 tokens/s, but only 0.99993).
 
