@@ -111,10 +111,11 @@ def resolve_encoder_matmul(name: str, task: RequestKind, dtype: torch.dtype, dev
             raise ValueError("encoder_matmul applies to embedding and cross-encoder models; leave it auto "
                              "for decoders (see weight_dtype and dtype)")
         return dtype
-    if name != "auto" and (device.type != "cpu" or dtype != torch.float32):
+    applies = device.type == "cpu" and dtype == torch.float32
+    if name != "auto" and not applies:
         raise ValueError(f"encoder_matmul={name} applies under float32 activations on CPU; here the activations "
                          f"are {str(dtype).removeprefix('torch.')} on {device.type} (leave it auto)")
-    if name == "float32" or device.type != "cpu" or dtype != torch.float32:
+    if name == "float32" or not applies:
         return dtype
     from services.worker.kernels.build import cpu_has_native_bf16
 

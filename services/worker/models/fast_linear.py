@@ -117,6 +117,7 @@ class FastLinear(nn.Linear):
         y = self._kernel(x, float_out=True)
         return y if y is not None else self(x).float()
 
+
 def blas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear; weights stored narrower than `x` are widened a slice of output features at a time."""
     if weight.dtype == x.dtype:
