@@ -7,34 +7,18 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import os
 import sys
 
-import grpc
-
 from services.cpu_affinity import add_cpu_cores_argument
 from services.worker.config import DEFAULT_LISTEN, ENCODER_MATMULS, KV_CACHE_DTYPES, WEIGHT_DTYPES, WorkerConfig
-from services.worker.round_pipeline import RoundPipeline, compute_thread
-from services.worker.servicer import WorkerServicer
-from services.worker.telemetry import WorkerTelemetry
-from services.worker.worker import Worker
-from shared.grpc_server import start_grpc, wait_for_shutdown
-from shared.metrics import serve_metrics
-from shared.pb.spindle.v1 import worker_pb2, worker_pb2_grpc
+from services.worker.openmp_wait import configure_openmp_wait
 from shared.service_flags import (
     add_internal_tls_arguments,
     add_observability_arguments,
     internal_tls_from_args,
     metrics_port_from_args,
 )
-from shared.startup_heap import freeze_startup_heap
-from shared.tls import grpc_server_credentials
-from shared.tracing import Tracing
-
-logger = logging.getLogger(__name__)
-SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
 
 def _env(name: str, default: str) -> str:
@@ -173,41 +157,11 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
 
 
 async def serve(config: WorkerConfig) -> None:
-    """Serve until SIGTERM/SIGINT; SERVING once the model is loaded and the KV cache allocated."""
-    servicer = WorkerServicer()
+    """Serve until SIGTERM/SIGINT (service.py), OpenMP's wait policy set first (openmp_wait.py)."""
+    configure_openmp_wait(config.model)
+    from services.worker import service  # imports torch, which reads the policy as it loads
 
-    def register(server: grpc.aio.Server) -> None:
-        worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
-
-    service = await start_grpc(config.listen, register, [SERVICE_NAME],
-                               credentials=grpc_server_credentials(config.internal_tls))
-    telemetry = WorkerTelemetry(Tracing.from_env("worker"))
-    metrics_server = None
-    if config.metrics_port is not None:
-        # Up before the model loads, so a scrape tells "loading" (worker_ready 0) from "down".
-        metrics_server = await serve_metrics(telemetry.metrics.registry, config.listen.rsplit(":", 1)[0],
-                                             config.metrics_port)
-    compute = compute_thread()  # loads the model, then runs every round (round_pipeline.py says why)
-    try:
-        worker = await asyncio.get_running_loop().run_in_executor(compute, Worker, config)
-    except BaseException:
-        compute.shutdown(wait=False)
-        await service.server.stop(0)
-        raise
-    pipeline = RoundPipeline(worker.runner, telemetry, config.fault_fail_round, compute)
-    telemetry.metrics.report_step_phases(worker.runner.phases)
-    servicer.attach(worker.info, pipeline)
-    freeze_startup_heap()
-    await service.set_serving([SERVICE_NAME])
-    telemetry.metrics.ready.set(1)
-    logger.info("listening on %s", service.address)
-    try:
-        await wait_for_shutdown(service)
-    finally:
-        pipeline.close()
-        if metrics_server is not None:
-            await metrics_server.stop()
-        telemetry.tracing.shutdown()
+    await service.serve(config)
 
 
 if __name__ == "__main__":

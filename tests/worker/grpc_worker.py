@@ -1,4 +1,4 @@
-"""Serve a `Worker` over loopback gRPC for tests, exactly as `services.worker.__main__` wires it."""
+"""Serve a `Worker` over loopback gRPC for tests, exactly as `services.worker.service` wires it."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from services.worker.__main__ import SERVICE_NAME
 from services.worker.round_pipeline import RoundPipeline
+from services.worker.service import SERVICE_NAME
 from services.worker.servicer import WorkerServicer
 from services.worker.worker import Worker
 from shared.execute import ExecuteRound

@@ -177,7 +177,7 @@ async def test_the_model_loads_on_the_thread_that_runs_rounds(monkeypatch: pytes
     import threading
     from types import SimpleNamespace
 
-    from services.worker import __main__ as worker_main
+    from services.worker import service as worker_main
     from services.worker.step_phases import StepPhases
 
     threads: dict[str, int] = {}

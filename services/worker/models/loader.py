@@ -8,7 +8,6 @@ a random model.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from services.worker.attention import AttentionBackend
-from services.worker.models import MODEL_REGISTRY, SENTENCE_TRANSFORMERS_BASES, resolve_model
+from services.worker.models import MODEL_REGISTRY, read_hf_config, resolve_model
 from services.worker.models.base import SpindleModel
 from services.worker.models.config import DecoderConfig
 from services.worker.models.decoder import DecoderForCausalLM
@@ -26,25 +25,6 @@ from services.worker.models.fast_linear import ACTIVATION_DTYPES, calibrate, sto
 logger = logging.getLogger(__name__)
 
 ModelConfig = DecoderConfig | EncoderConfig
-
-
-def read_hf_config(model_dir: str | Path) -> dict:
-    """config.json, with generation_config's EOS and the sentence-transformers base architecture.
-
-    A sentence-transformers directory (modules.json) runs its Transformer module as the bare
-    encoder, whatever head config.json names (e.g. BertForMaskedLM -> BertModel), as ST does.
-    """
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"model directory {str(model_dir)!r} has no config.json")
-    hf = json.loads(path.read_text())
-    gen = Path(model_dir) / "generation_config.json"
-    if gen.is_file() and "eos_token_id" in (gen_cfg := json.loads(gen.read_text())):
-        hf["eos_token_id"] = gen_cfg["eos_token_id"]  # generation config wins, as in HF generate
-    architectures = hf.get("architectures") or []
-    if (Path(model_dir) / "modules.json").is_file() and architectures:
-        hf["architectures"] = [SENTENCE_TRANSFORMERS_BASES.get(architectures[0], architectures[0])]
-    return hf
 
 
 def parse_config(hf: dict) -> ModelConfig:
