@@ -159,8 +159,12 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
 async def serve(config: WorkerConfig) -> None:
     """Serve until SIGTERM/SIGINT (service.py), OpenMP's wait policy set first (openmp_wait.py)."""
     configure_openmp_wait(config.model)
+    cores = os.sched_getaffinity(0)
     from services.worker import service  # imports torch, which reads the policy as it loads
 
+    # Where OMP_PROC_BIND is set (services/cpu_affinity.py), libgomp bound this thread to its
+    # first place as torch loaded; the event loop and the threads it starts keep the worker's cores.
+    os.sched_setaffinity(0, cores)
     await service.serve(config)
 
 
