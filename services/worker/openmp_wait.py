@@ -5,8 +5,8 @@ parallel op spinning for GOMP_SPINCOUNT iterations before it sleeps, 300,000 by 
 milliseconds on a small host. That suits a decode stream, whose next op comes microseconds later.
 A prefill-only model (embeddings, scores) runs one forward pass per batch and then has nothing
 for its threads to do, while the worker's event loop, the scheduler and the frontend need a core
-to send the result on: with the default, the spinning threads hold both cores of a 2-core host
-for milliseconds after every forward pass.
+to send the result on: with the default, the spinning threads compete with them for both cores of
+a 2-core host for up to milliseconds after every forward pass.
 
 So for a prefill-only model the worker sets GOMP_SPINCOUNT=10000, unless GOMP_SPINCOUNT or
 OMP_WAIT_POLICY is set already (the operator's choice wins). Decoders keep the default: one
@@ -14,15 +14,22 @@ stream of the small model lost 2-6 % with 10,000 (two interleaved pairs, 746 / 7
 output tok/s), and 64 streams gained (4,431 / 4,811 / 4,673 -> 4,871 / 5,166 / 4,811) but within
 the host's noise.
 
-Measured on a 2-core AMD EPYC Zen 4, all-MiniLM-L6-v2 served, one request at a time of a
-110-token input, 40 requests per run, client latency p50 (ms), runs interleaved (2026-11-29):
+Measured on a 2-core AMD EPYC Zen 4 (2026-11-29), all-MiniLM-L6-v2 served, runs interleaved.
+`python -m benchmarks.embed_bench --concurrency 1 --configs spindle` (one sentence per request),
+seven pairs, sentences/s:
+
+    default (300,000)   49.3 49.9 42.4 43.0 44.9 44.0 44.9   mean 45.5, worker idle 27-30 %
+    10,000              52.2 44.9 48.1 48.6 54.0 51.5 54.5   mean 50.5 (+11 %, 6 of 7 pairs), idle 23-25 %
+
+and at 32 concurrent requests, where the worker never waits, a tie (`--concurrency 32`, two pairs:
+80.1 / 86.1 against 85.1 / 83.2). The spin count swept on one 110-token input at a time (40
+requests a run, client latency p50 in ms, a /tmp script, the variable set by hand):
 
     GOMP_SPINCOUNT   300,000 (default)   100,000   30,000        10,000              3,000         1,000
     p50 (ms)         24.5 25.3           21.8      19.5 21.9     19.7 16.4 19.7      21.4 19.4     22.5 23.8
 
-and at 32 concurrent requests the worker is busy all the time, so the setting ties there
-(`python -m benchmarks.embed_bench`, README "CPU speed"). 1,000 is too short: the threads then
-sleep between the ops of one forward pass and each op waits for a wake-up.
+1,000 is too short: the threads then sleep between the ops of one forward pass, and each op
+waits for a wake-up.
 
 libgomp reads the variable once, when torch loads it, so the worker's entry point calls this
 before anything imports torch.
