@@ -1,7 +1,9 @@
 """Entry point of the worker service: flags (SPINDLE_* env defaults) -> WorkerConfig -> serve.
 
 `python -m services.worker --model DIR` or `spindle worker ...`. The gRPC server starts first
-(health NOT_SERVING), the model loads off the event loop, then health turns SERVING.
+(health NOT_SERVING), the model loads off the event loop, then health turns SERVING (service.py).
+This module imports no torch, so what the OpenMP runtime reads as torch loads can still be
+chosen from the model (openmp_wait.py; tests/worker/test_openmp_wait.py checks it).
 """
 
 from __future__ import annotations
