@@ -41,7 +41,7 @@ import logging
 import os
 import sys
 
-from services.worker.models import MODEL_REGISTRY, is_prefill_only, read_hf_config
+from services.worker.models import is_prefill_only, read_hf_config
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def configure_openmp_wait(model_dir: str) -> int | None:
         architectures = read_hf_config(model_dir).get("architectures") or []
     except (OSError, ValueError):
         return None
-    if not architectures or architectures[0] not in MODEL_REGISTRY or not is_prefill_only(architectures[0]):
+    if not architectures or not is_prefill_only(architectures[0]):
         return None
     if "torch" in sys.modules:
         logger.warning("torch is loaded already: GOMP_SPINCOUNT=%d would not take effect; not set",

@@ -76,3 +76,7 @@ def test_too_late_once_torch_is_loaded(minilm_dir: Path, monkeypatch: pytest.Mon
 def test_prefill_only_matches_each_model_classs_task(architecture: str) -> None:
     model_class, _, _ = resolve_model(architecture)
     assert is_prefill_only(architecture) == (model_class.task is not RequestKind.GENERATE)
+
+
+def test_an_unregistered_architecture_is_not_prefill_only() -> None:
+    assert not is_prefill_only("GPT2LMHeadModel")

@@ -103,9 +103,10 @@ def resolve_model(architecture: str) -> tuple[type, str, Callable[[dict], Any]]:
 
 
 def is_prefill_only(architecture: str) -> bool:
-    """Whether a registered architecture serves embeddings or scores, told without importing torch
-    (the worker decides OpenMP's wait policy from it before torch loads: openmp_wait.py)."""
-    return MODEL_REGISTRY[architecture][0] in PREFILL_ONLY_CLASSES
+    """Whether an architecture is registered and serves embeddings or scores, told without importing
+    torch (the worker decides OpenMP's wait policy from it before torch loads: openmp_wait.py)."""
+    entry = MODEL_REGISTRY.get(architecture)
+    return entry is not None and entry[0] in PREFILL_ONLY_CLASSES
 
 
 def read_hf_config(model_dir: str | Path) -> dict:
