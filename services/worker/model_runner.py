@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 
 import numpy as np
 import torch
@@ -28,7 +28,7 @@ from services.worker.encoder_cache import EncoderCache
 from services.worker.grammar_state import GrammarState
 from services.worker.input_builder import ModelInput, ModelInputBuilder
 from services.worker.models.fused import fused_kernels_error
-from services.worker.models.native_stack import round_scope
+from services.worker.models.native_stack import fits_pool, work_pool_scope
 from services.worker.request_states import RequestStates
 from services.worker.round_stops import Aborts, RoundRows, StopTable
 from services.worker.sampler import Sampler
@@ -37,8 +37,12 @@ from services.worker.step_output import HostCopier, SampledStep
 from services.worker.step_phases import StepPhases
 from shared.errors import InvalidArgumentError
 from shared.execute import ExecuteRound
+from shared.switches import switch_on
 
 logger = logging.getLogger(__name__)
+# SPINDLE_DISABLE_POOLED_DECODE_AFTER_PROMPT=1: a round whose step 0 is too big for spindle's pool
+# keeps its decode steps on OpenMP too (`_run_steps`; side-by-side runs).
+POOLED_DECODE_AFTER_PROMPT = not switch_on("SPINDLE_DISABLE_POOLED_DECODE_AFTER_PROMPT")
 
 
 class ModelRunner:
@@ -120,13 +124,15 @@ class ModelRunner:
                 self.grammar_state.add(row, new.sampling.grammar, new.token_ids[new.num_prompt_tokens :])
         num_steps = max(round_.num_steps, 1)
         # Rounds whose every layer runs spindle's kernels split them on spindle's pool (native_stack.py).
-        pool = round_scope(self.model, num_scheduled) if self.encoder_cache is None else nullcontext()
-        with torch.inference_mode(), pool:
+        pooled = self.encoder_cache is None and fits_pool(self.model, num_scheduled)
+        with torch.inference_mode(), work_pool_scope() if pooled else nullcontext(), ExitStack() as decode_pool:
             if self.encoder_cache is not None:
                 self.phases.mark("prepare")
                 self._prepare_encoder(round_)
                 self.phases.mark("encode")
-            self._run_steps(round_.round_id, num_steps, rows, num_scheduled, on_step)
+            later_on_pool = not pooled and self.encoder_cache is None and POOLED_DECODE_AFTER_PROMPT
+            self._run_steps(round_.round_id, num_steps, rows, num_scheduled, on_step,
+                            decode_pool if later_on_pool else None)
 
     def _run_steps(
         self,
@@ -135,7 +141,13 @@ class ModelRunner:
         rows: np.ndarray,
         num_scheduled: np.ndarray,
         on_step: Callable[[SampledStep], None],
+        decode_pool: ExitStack | None = None,
     ) -> None:
+        """The round's steps. With `decode_pool` (a round whose step 0 is too big for spindle's
+        pool: a prefill chunk on oneDNN's OpenMP threads), its decode steps go on the pool where
+        their rows fit: left to OpenMP, each of them waited at OpenMP's barriers for a thread
+        the host services had taken (small model, one stream: the seven decode steps after a
+        prompt took 1.4-1.7 ms each, the pooled ones after them 1.1)."""
         samplers, rows, num_scheduled = self._start_round(rows, num_scheduled)
         request_ids = [self.states.request_ids[r] or "" for r in samplers.rows.tolist()]
         hand_on_now = not self.copier.is_async  # CPU: no copy to overlap, the next step would only delay it
@@ -146,6 +158,8 @@ class ModelRunner:
         starts = self.states.num_computed_tokens[rows].copy()  # step 0's first position per row (images)
         phases = self.phases
         for step in range(num_steps):
+            if step == 1 and decode_pool is not None and fits_pool(self.model, np.ones(len(samplers.live), np.int64)):
+                decode_pool.enter_context(work_pool_scope())
             if step == 0:
                 inputs, metadata = self._resume(rows, num_scheduled)
                 if inputs is None:

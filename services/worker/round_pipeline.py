@@ -14,6 +14,17 @@ team, and with more OpenMP threads than cores libgomp stops spinning between par
 (its "throttled" wait), so each of a decode step's ~60 regions waits for a sleeping thread to
 wake. Loading on one thread and computing on another measured a medium single-stream step at
 22-27 ms against 13.5-15.3 ms with both on one thread (2-core AMD EPYC).
+
+After handing a step to the event loop the compute thread yields its core once
+(`os.sched_yield`). Why: the hand-off wakes the event loop's thread, which often lands on the
+compute thread's own core, and Linux lets the busy compute thread finish its time slice first
+(milliseconds), so that step's tokens waited in the worker. `perf sched timehist` showed the
+event loop's thread runnable but off a core for 3-5 ms a few times a second at one stream of
+the small model. The yield lets it send the tokens now, for one system call a step. Where the
+woken thread lands on the second core instead, the work pool's helper there gives way to it
+(kernels/csrc/work_pool.cpp: SCHED_IDLE helpers); the two together keep inter-token latency's
+tail within 3x its median at one stream (figures in the README, "CPU speed").
+SPINDLE_DISABLE_STEP_YIELD=1 turns the yield off (side-by-side runs).
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,8 +42,12 @@ from services.worker.step_output import StepResult
 from services.worker.telemetry import WorkerTelemetry
 from shared.errors import UnavailableError
 from shared.execute import AbortRows, ExecuteRound, StepOutput
+from shared.switches import switch_on
 
 logger = logging.getLogger(__name__)
+
+# Give the core to the event loop after each step's hand-off (module docstring); Linux has it.
+YIELD_AFTER_STEP = hasattr(os, "sched_yield") and not switch_on("SPINDLE_DISABLE_STEP_YIELD")
 
 
 class _ReaderGoneError(Exception):
@@ -99,6 +115,8 @@ class RoundPipeline:
             except RuntimeError:  # the event loop closed (the worker is stopping): nobody reads any more
                 failed.set()
                 raise _ReaderGoneError from None
+            if YIELD_AFTER_STEP:
+                os.sched_yield()
 
         def execute(round_: ExecuteRound) -> None:
             if failed.is_set():

@@ -7,19 +7,28 @@ test_native_stack.py; served greedy output against transformers in tests/e2e.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from services.worker import model_runner
 from services.worker.attention import create_backend
 from services.worker.models.fast_linear import FastLinear
 from services.worker.models.loader import load_model
-from services.worker.models.native_stack import round_scope, work_pool_scope
+from services.worker.models.native_stack import fits_pool, work_pool_scope
+from services.worker.step_output import SampledStep
+from shared.execute import ExecuteRound, NewRequestData
+from shared.sampling import SamplingOptions
+from tests.worker.worker_harness import make_runner
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -52,6 +61,12 @@ def _pool_threads() -> list[str]:
     return [n for n in names if n.startswith("spindle-pool")]
 
 
+def _pool_thread_policies() -> list[int]:
+    """The scheduling policy of each of this process's pool helpers."""
+    return [os.sched_getscheduler(int(p.parent.name)) for p in Path("/proc/self/task").glob("*/comm")
+            if p.read_text().startswith("spindle-pool")]
+
+
 def _after_openmp_spin() -> None:
     """Waits out OpenMP's spin after the calls outside a scope: until then the caller runs pool
     calls alone (work_pool.cpp, kOpenMpSpin)."""
@@ -67,6 +82,38 @@ def test_kernels_in_a_scope_compute_what_they_compute_outside() -> None:
         for g in got:
             assert torch.equal(g, want), name
     assert "spindle-pool-0" in _pool_threads(), "a helper beside the calling thread, named for top and py-spy"
+
+
+def test_helpers_give_their_core_to_any_other_thread_at_once() -> None:
+    """SCHED_IDLE (work_pool.cpp says why): the worker's event loop and the host services
+    preempt a helper the moment they wake, and the caller takes the chunks it leaves."""
+    _after_openmp_spin()
+    with work_pool_scope():
+        for _, call in _calls():
+            call()
+    policies = _pool_thread_policies()
+    assert policies and all(p == os.SCHED_IDLE for p in policies)
+
+
+def test_the_switch_keeps_helpers_at_the_default_policy() -> None:
+    probe = """
+import os, time, torch
+from pathlib import Path
+from services.worker.kernels.build import load_kernels
+from services.worker.models.native_stack import work_pool_scope
+load_kernels()
+torch.set_num_threads(2)
+x, w = torch.randn(1, 384), torch.randn(1000, 384)
+time.sleep(0.02)
+with work_pool_scope():
+    torch.ops.spindle.linear_small_m(x, w, None)
+print([os.sched_getscheduler(int(p.parent.name)) for p in Path("/proc/self/task").glob("*/comm")
+       if p.read_text().startswith("spindle-pool")])
+"""
+    env = {**os.environ, "SPINDLE_DISABLE_IDLE_HELPERS": "1"}
+    result = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[2], env=env,
+                            capture_output=True, text=True, timeout=300, check=True)
+    assert result.stdout.strip().splitlines()[-1] == f"[{os.SCHED_OTHER}]"
 
 
 def test_scopes_on_two_threads_at_once_each_get_their_answers() -> None:
@@ -95,7 +142,7 @@ def test_closing_a_scope_that_is_not_open_is_an_error() -> None:
         torch.ops.spindle.work_pool_exit()
 
 
-def test_rounds_whose_every_layer_runs_the_kernels_open_a_scope(llama_dir: Path) -> None:
+def test_steps_whose_every_layer_runs_the_kernels_fit_the_pool(llama_dir: Path) -> None:
     model = load_model(llama_dir, create_backend("paged", 16), torch.float32, torch.device("cpu"))
     for module in model.modules():
         if isinstance(module, FastLinear):
@@ -105,7 +152,7 @@ def test_rounds_whose_every_layer_runs_the_kernels_open_a_scope(llama_dir: Path)
     model.build_native_stack()
 
     def opens(num_scheduled: list[int]) -> bool:
-        return type(round_scope(model, np.array(num_scheduled))).__name__ != "nullcontext"
+        return fits_pool(model, np.array(num_scheduled))
 
     assert opens([1]) and opens([1, 1, 1, 1])
     assert opens([1, 3]) and opens([8]), "prefill tokens within the layers' kernel rows"
@@ -114,3 +161,31 @@ def test_rounds_whose_every_layer_runs_the_kernels_open_a_scope(llama_dir: Path)
     assert not opens([])
     model.native_stack = None
     assert not opens([1])
+
+
+def test_a_prompts_round_runs_its_decode_steps_on_the_pool(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 0 is a prompt too big for the kernels (oneDNN, OpenMP); the steps after it decode one
+    row each and go on the pool (model_runner.py says why), with the tokens they had on OpenMP."""
+
+    def tokens_and_threads() -> tuple[list[int], list[int]]:
+        runner = make_runner(llama_dir, backend="paged")
+        for module in runner.model.modules():
+            if isinstance(module, FastLinear):
+                module.kernel_max_rows = 8
+                module.probe_s = ()
+        runner.model.build_native_stack()
+        prompt = list(range(3, 15))  # 12 tokens: past the layers' kernel rows
+        round_ = ExecuteRound(round_id=0, num_steps=4, num_scheduled_tokens=[len(prompt)], new_requests=[
+            NewRequestData("a", prompt, len(prompt), 0, [0, 1], SamplingOptions(max_tokens=8, temperature=0.0))])
+        threads: list[int] = []  # torch's thread count on the compute thread as each step is handed on
+        steps: list[SampledStep] = []
+        _after_openmp_spin()
+        runner.execute_round(round_, lambda step: threads.append(torch.get_num_threads()) or steps.append(step))
+        return [t for s in steps for t in s.to_step_output().token_ids], threads
+
+    tokens, threads = tokens_and_threads()
+    assert threads == [2, 1, 1, 1], "step 0 on OpenMP's two threads, then in a pool scope (OpenMP: 1 inside)"
+    monkeypatch.setattr(model_runner, "work_pool_scope", nullcontext)
+    openmp_tokens, openmp_threads = tokens_and_threads()
+    assert openmp_threads == [2, 2, 2, 2]
+    assert tokens == openmp_tokens

@@ -51,7 +51,7 @@ ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)  # what the kernel and the p
 DISABLE_ENV = "SPINDLE_DISABLE_LINEAR_KERNEL"  # 1: no kernel, the GEMM at every row count (side-by-side runs)
 DISABLE_ONEDNN_ENV = "SPINDLE_DISABLE_ONEDNN_LINEAR"  # 1: past the kernel's rows, F.linear on the plain weight
 ONEDNN_MAX_MEMORY_SHARE = 0.5  # packed copies may take at most this share of MemAvailable
-# A round whose every layer runs the kernel goes on spindle's work pool (native_stack.round_scope),
+# A round whose every layer runs the kernel goes on spindle's work pool (native_stack.fits_pool),
 # out of OpenMP's barriers, which pays even where the kernel alone is a little slower: each
 # parallel op no longer waits for a thread that lost its core to the host services, whose work
 # grows with the tokens a round streams. So the native stack (and the LM head) take the kernel

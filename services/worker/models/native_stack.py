@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,21 +107,20 @@ def work_pool_scope() -> Iterator[None]:
         torch.ops.spindle.work_pool_exit()
 
 
-def round_scope(model: nn.Module, num_scheduled: np.ndarray) -> AbstractContextManager[None]:
-    """`work_pool_scope` for a round whose every step runs on spindle's kernels alone: its tokens
-    (decode rows and prefill chunks) few enough for every layer's kernel (the native stack) and
-    its rows for the LM head's (greedy choice is a kernel too); else a scope that does nothing.
-    Prefill chunks are in (kernels/csrc/linear_mid_m.h made the kernel fit tens to hundreds of
-    rows): a round left to OpenMP leaves its threads spinning on the helpers' cores for the
-    pooled rounds after it (kOpenMpSpin in work_pool.cpp)."""
+def fits_pool(model: nn.Module, num_scheduled: np.ndarray) -> bool:
+    """Whether a step computing `num_scheduled` tokens per row runs on spindle's kernels alone:
+    its tokens (decode rows and prefill chunks) few enough for every layer's kernel (the native
+    stack) and its rows for the LM head's (greedy choice is a kernel too). Prefill chunks are in
+    (kernels/csrc/linear_mid_m.h made the kernel fit tens to hundreds of rows). A round whose
+    step 0 fits runs in a `work_pool_scope` (model_runner.py): one left to OpenMP leaves its
+    threads spinning on the helpers' cores for the pooled rounds after it (kOpenMpSpin in
+    work_pool.cpp)."""
     stack: NativeStack | None = getattr(model, "native_stack", None)
     lm_head = getattr(model, "lm_head", None)
     if stack is None or not isinstance(lm_head, FastLinear):
-        return nullcontext()
+        return False
     tokens, rows = int(num_scheduled.sum()), len(num_scheduled)
-    if not (0 < tokens <= stack.max_rows and rows <= lm_head.kernel_max_rows):
-        return nullcontext()
-    return work_pool_scope()
+    return 0 < tokens <= stack.max_rows and rows <= lm_head.kernel_max_rows
 
 
 def build_native_stack(config: DecoderConfig, layers: nn.ModuleList, final_norm: nn.Module,

@@ -39,11 +39,17 @@
 // services, which together want about as much CPU a token as the step. Also tried there and not
 // kept (`benchmarks.run --models small --concurrency 1,64`, pairs interleaved, tok/s):
 // helpers that sched_yield() while they wait for the next call (one stream 594-637 against
-// 652-744); helpers at SCHED_IDLE, which any host service preempts at once (64 streams 3,769 /
-// 3,530 against 3,728 / 3,287, one stream 725 / 743 against 749 / 722, medium model one stream
-// 65.2 / 67.4 against 69.0 / 67.8: a wash); SPINDLE_NUM_THREADS=1, which leaves the second core
-// to the host (one stream 660 / 688 against 749 / 722, 64 streams 3,214 / 2,976 against 3,728 /
-// 3,287).
+// 652-744); SPINDLE_NUM_THREADS=1, which leaves the second core to the host (one stream 660 /
+// 688 against 749 / 722, 64 streams 3,214 / 2,976 against 3,728 / 3,287).
+//
+// Helpers run at SCHED_IDLE (SPINDLE_DISABLE_IDLE_HELPERS=1: the default policy), so any other
+// thread that wakes on a helper's core takes it at once, and the caller takes the chunks the
+// helper leaves. Throughput alone did not show it (64 streams 3,769 / 3,530 against 3,728 /
+// 3,287, one stream 725 / 743 against 749 / 722, medium model one stream 65.2 / 67.4 against
+// 69.0 / 67.8: a wash), but the inter-token tail does, with the compute thread's yield after
+// each step (round_pipeline.py): `perf sched timehist` showed the worker's event loop, woken to
+// send a step's tokens, runnable for 3-5 ms behind a spinning helper or the compute thread
+// (figures in the README, "CPU speed").
 
 #include "work_pool.h"
 
@@ -195,6 +201,12 @@ class WorkPool {
     bind_like_openmp(index);
     const std::string name = "spindle-pool-" + std::to_string(index);  // as top, py-spy and /proc show it
     pthread_setname_np(pthread_self(), name.c_str());
+    if (!env_flag("SPINDLE_DISABLE_IDLE_HELPERS")) {
+      // Yield the core to any other thread at once (the header says why a helper may): above
+      // all the worker's event loop, woken for each step's tokens. Failure leaves the default.
+      const sched_param param{};
+      pthread_setschedparam(pthread_self(), SCHED_IDLE, &param);
+    }
     uint32_t seen = generation_.load(std::memory_order_acquire);
     for (;;) {
       uint32_t generation = generation_.load(std::memory_order_acquire);
