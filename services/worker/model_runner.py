@@ -147,7 +147,7 @@ class ModelRunner:
         pool: a prefill chunk on oneDNN's OpenMP threads), its decode steps go on the pool where
         their rows fit: left to OpenMP, each of them waited at OpenMP's barriers for a thread
         the host services had taken (small model, one stream: the seven decode steps after a
-        prompt took 1.4-1.7 ms each, the pooled ones after them 1.1)."""
+        prompt took 1.4-1.9 ms each, the pooled ones after them 1.1)."""
         samplers, rows, num_scheduled = self._start_round(rows, num_scheduled)
         request_ids = [self.states.request_ids[r] or "" for r in samplers.rows.tolist()]
         hand_on_now = not self.copier.is_async  # CPU: no copy to overlap, the next step would only delay it

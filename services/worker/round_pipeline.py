@@ -22,8 +22,8 @@ compute thread's own core, and Linux lets the busy compute thread finish its tim
 event loop's thread runnable but off a core for 3-5 ms a few times a second at one stream of
 the small model. The yield lets it send the tokens now, for one system call a step. Where the
 woken thread lands on the second core instead, the work pool's helper there gives way to it
-(kernels/csrc/work_pool.cpp: SCHED_IDLE helpers); the two together keep inter-token latency's
-tail within 3x its median at one stream (figures in the README, "CPU speed").
+(kernels/csrc/work_pool.cpp: SCHED_IDLE helpers). With both, ITL p99 at one stream of the
+small model came down from 5-6x its median to about 3x (figures in the README, "CPU speed").
 SPINDLE_DISABLE_STEP_YIELD=1 turns the yield off (side-by-side runs).
 """
 
