@@ -63,5 +63,3 @@ async def serve(config: WorkerConfig) -> None:
         if metrics_server is not None:
             await metrics_server.stop()
         telemetry.tracing.shutdown()
-
-
