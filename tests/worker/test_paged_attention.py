@@ -8,6 +8,11 @@ kernel itself, so the test also checks they land at their slots.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -101,6 +106,25 @@ def test_items_over_all_kv_heads_and_one_kv_head_each(rows, threads) -> None:
         _check_against_reference(torch.float32, 8, 4, 32, 8, None, None, rows, head_major=True)
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_l1_prefetch_switch_keeps_the_outputs(dtype) -> None:
+    """SPINDLE_DISABLE_L2_PREFETCH=1 (prefetcht0, side-by-side runs) runs the same kernel: the
+    outputs still match the reference, decode and prefill rows (read once per process, so in a
+    fresh interpreter)."""
+    probe = f"""
+import sys, torch
+sys.path.insert(0, "tests/worker")
+from test_paged_attention import ROWS, _check_against_reference
+_check_against_reference(torch.{str(dtype).split('.')[1]}, 8, 2, 64, 16, None, None, ROWS, head_major=True)
+print("ok")
+"""
+    env = {**os.environ, "SPINDLE_DISABLE_L2_PREFETCH": "1"}
+    result = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[2], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "ok"
 
 
 def _check_against_reference(dtype, heads, kv_heads, head_dim, block_size, window, softcap, rows,

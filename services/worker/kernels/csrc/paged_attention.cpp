@@ -70,6 +70,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "env_flag.h"
 #include "fused_ops.h"
 #include "kernel_ops.h"
 #include "vec_math.h"
@@ -94,11 +95,34 @@ namespace {
 template <typename q_t>
 constexpr bool kRotates = std::is_same_v<q_t, float> || std::is_same_v<q_t, c10::BFloat16>;
 
-// Asks for the cache line at p. Not __builtin_prefetch: GCC 12 deletes a loop whose body is only
-// that builtin (measured: no prefetch instruction left in the binary at -O1 and above).
+// SPINDLE_DISABLE_L2_PREFETCH=1: ask for the KV's lines into L1 (prefetcht0), as before
+// 2026-11-29, instead of into L2 (prefetch_line; side-by-side runs).
+inline bool l2_prefetch_disabled() {
+  static const bool disabled = env_flag("SPINDLE_DISABLE_L2_PREFETCH");
+  return disabled;
+}
+
+// Asks for the cache line at p, into L2 (prefetcht1). Why not L1: a head-block is 64-128 lines,
+// and each prefetcht0 holds one of L1's few miss buffers until its line arrives, so the
+// prefetch loops themselves stalled (perf: ~24 % of the decode kernel's samples on the
+// prefetcht0 instructions, ~25 % more on value loads that missed anyway), and with the KV
+// outside L2 the kernel read ~6-8 GB/s a thread against 29 GB/s for a plain sum. Into L2 the
+// requests queue in L2's deeper miss queue, and the first loads of a block find them there
+// (2-core AMD EPYC Zen 4, decode, one thread, 64 rows x 256 tokens, blocks spread over the
+// pool, ns per token and KV head, two interleaved runs: medium shapes fp32 cache 74-76 ->
+// 34-36, bf16 36-40 -> 34-37; small shapes 18 -> 16-18, within noise; prefetcht2 measured as
+// prefetcht1). The decode step's attention, 8 layers of the medium model, 64 rows x 1,024
+// tokens, fp32 cache: 82-84 -> 45-59 ms (`python -m benchmarks.attention_bench --model
+// medium-long --contexts 256,1024,4096 --kv-cache-dtypes float32`, two runs each way).
+// Not __builtin_prefetch: GCC 12 deletes a loop whose body is only that builtin (measured: no
+// prefetch instruction left in the binary at -O1 and above).
 inline void prefetch_line(const void* p) {
 #if defined(__x86_64__)
-  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+  if (l2_prefetch_disabled()) {
+    asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+  } else {
+    asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+  }
 #else
   __builtin_prefetch(p);
 #endif
