@@ -114,9 +114,8 @@ def test_l1_prefetch_switch_keeps_the_outputs(dtype) -> None:
     outputs still match the reference, decode and prefill rows (read once per process, so in a
     fresh interpreter)."""
     probe = f"""
-import sys, torch
-sys.path.insert(0, "tests/worker")
-from test_paged_attention import ROWS, _check_against_reference
+import torch
+from tests.worker.test_paged_attention import ROWS, _check_against_reference
 _check_against_reference(torch.{str(dtype).split('.')[1]}, 8, 2, 64, 16, None, None, ROWS, head_major=True)
 print("ok")
 """

@@ -97,18 +97,17 @@ def test_helpers_give_their_core_to_any_other_thread_at_once() -> None:
 
 def test_the_switch_keeps_helpers_at_the_default_policy() -> None:
     probe = """
-import os, time, torch
-from pathlib import Path
+import time, torch
 from services.worker.kernels.build import load_kernels
 from services.worker.models.native_stack import work_pool_scope
+from tests.worker.test_work_pool import _pool_thread_policies
 load_kernels()
 torch.set_num_threads(2)
 x, w = torch.randn(1, 384), torch.randn(1000, 384)
 time.sleep(0.02)
 with work_pool_scope():
     torch.ops.spindle.linear_small_m(x, w, None)
-print([os.sched_getscheduler(int(p.parent.name)) for p in Path("/proc/self/task").glob("*/comm")
-       if p.read_text().startswith("spindle-pool")])
+print(_pool_thread_policies())
 """
     env = {**os.environ, "SPINDLE_DISABLE_IDLE_HELPERS": "1"}
     result = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[2], env=env,
