@@ -80,6 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=_env_bool("ENABLE_PRIORITY_PREEMPTION", defaults.enable_priority_preemption),
                         help="waiting requests may preempt lower-priority running ones "
                              "[SPINDLE_ENABLE_PRIORITY_PREEMPTION]")
+    parser.add_argument("--pipeline-lead-ms", type=float,
+                        default=float(_env("PIPELINE_LEAD_MS", str(defaults.pipeline_lead_ms))),
+                        help="until rounds are quiet, send the next multi-step round once the one in flight ends "
+                             "within this long (hides the round trip where steps are short; 0: never) "
+                             "[SPINDLE_PIPELINE_LEAD_MS]")
     parser.add_argument("--worker-ready-timeout-s", type=float,
                         default=float(_env("WORKER_READY_TIMEOUT_S", str(defaults.worker_ready_timeout_s))),
                         help="give up waiting for a worker after this long; 0: wait forever "
@@ -119,6 +124,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         enable_priority_preemption=args.enable_priority_preemption,
         max_inflight_rounds=args.max_inflight_rounds,
         pipeline_quiet_rounds=args.pipeline_quiet_rounds,
+        pipeline_lead_ms=args.pipeline_lead_ms,
         max_waiting_requests=args.max_waiting_requests,
         max_waiting_tokens=args.max_waiting_tokens,
         limit_mm_per_prompt=args.limit_mm_per_prompt,

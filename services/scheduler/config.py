@@ -38,6 +38,9 @@ class SchedulerConfig:
             (2 = plan and send round k+1 while the worker runs round k).
         pipeline_quiet_rounds: a multi-step round is sent ahead only after this many rounds
             admitted no request (a round sent ahead delays arrivals by n steps; 0 = always).
+        pipeline_lead_ms: before that, the next multi-step round is sent just in time: once the
+            round in flight will end within this long, by the worker's measured step time
+            (hides the scheduler round trip where steps are short; 0 = never).
         worker_ready_timeout_s: give up waiting for a worker's GetWorkerInfo after this long
             (0 waits forever).
         stats_interval_s: period of the INFO counters log while busy.
@@ -68,6 +71,7 @@ class SchedulerConfig:
     enable_priority_preemption: bool = False
     max_inflight_rounds: int = 2
     pipeline_quiet_rounds: int = 2
+    pipeline_lead_ms: float = 5.0
     worker_ready_timeout_s: float = 0.0
     stats_interval_s: float = 10.0
     max_waiting_requests: int = 4096
@@ -93,6 +97,8 @@ class SchedulerConfig:
             raise ValueError(f"{self.max_step_tokens_per_decode=} must be 0 (off) or >= 2 (room for prefills)")
         if self.pipeline_quiet_rounds < 0:
             raise ValueError(f"{self.pipeline_quiet_rounds=} must be >= 0")
+        if self.pipeline_lead_ms < 0:
+            raise ValueError(f"{self.pipeline_lead_ms=} must be >= 0")
         if self.worker_ready_timeout_s < 0:
             raise ValueError(f"{self.worker_ready_timeout_s=} must be >= 0")
         if self.stats_interval_s <= 0:

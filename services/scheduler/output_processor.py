@@ -37,6 +37,7 @@ class OutputProcessor:
             if output.step_index == 0:
                 self._confirm_chunks(ws, rnd)
             self._apply_tokens(ws, rnd, output, sink, finished)
+        ws.step_returned(rnd, output.sampled_unix_ns)
         if output.is_last_step:
             ws.inflight.popleft()
             ws.round_done(rnd)

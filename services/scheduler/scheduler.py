@@ -158,8 +158,9 @@ class Scheduler:
         """The next round for every worker that may take one and has work."""
         rounds: dict[int, ExecuteRound] = {}
         max_inflight, quiet = self.config.max_inflight_rounds, self.config.pipeline_quiet_rounds
+        lead_s = self.config.pipeline_lead_ms / 1000
         for ws in self.workers:
-            if not ws.can_take_round(max_inflight, quiet):
+            if not ws.can_take_round(max_inflight, quiet, lead_s):
                 continue
             rnd = self._builder.build(ws) if ws.kv is not None else build_pooling_round(ws, self.config)
             if rnd is not None:

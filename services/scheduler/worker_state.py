@@ -24,6 +24,10 @@ from shared.types import StopReason
 
 logger = logging.getLogger(__name__)
 
+# Weight of the newest step in the smoothed step time (`WorkerState.step_s`).
+STEP_TIME_SMOOTHING = 0.2
+
+
 def running_order(request: Request) -> tuple[int, int]:
     """Running-set order: higher priority first, then earlier arrival. The last is the victim."""
     return (-request.priority, request.arrival_seq)
@@ -48,6 +52,12 @@ class InflightRound:
     sampler_ids: list[str] = field(default_factory=list)
     samplers: list[Request] = field(default_factory=list)
     pooling_request_ids: list[str] = field(default_factory=list)
+    num_returned: int = 0  # steps whose output came back
+    last_sampled_unix_ns: int = 0  # when the worker sampled the last of them (its clock; 0: unknown)
+
+    @property
+    def steps_left(self) -> int:
+        return self.num_steps - self.num_returned
 
 
 class WorkerState:
@@ -93,25 +103,43 @@ class WorkerState:
         self.num_rounds = 0
         # Rounds built since one admitted a request: a measure of whether requests are arriving.
         self.rounds_since_admission = 0
+        # The worker's time a decode step (between two outputs of one round), smoothed; None
+        # until measured (outputs without a sampling time never measure it).
+        self.step_s: float | None = None
 
     @property
     def load(self) -> int:
         return len(self.requests)
 
-    def can_take_round(self, max_inflight_rounds: int, quiet_rounds: int) -> bool:
+    def can_take_round(self, max_inflight_rounds: int, quiet_rounds: int, lead_s: float = 0.0) -> bool:
         """Whether to build a round now (pipelining: while up to max_inflight_rounds run).
 
         A round sent ahead hides the scheduler round trip, but a request arriving meanwhile
         waits for it to finish. For 1-step rounds that costs one step; for n-step rounds it
         costs n steps of an idle slot per arrival, which measured worse than the round trip
-        while requests keep arriving. So a multi-step round is sent ahead only when no round
-        admitted a request in the last `quiet_rounds` rounds and nobody waits.
+        while requests keep arriving. So a multi-step round is sent ahead early only when no
+        round admitted a request in the last `quiet_rounds` rounds and nobody waits; otherwise
+        just in time (`lead_s`): once the round in flight will end within `lead_s` by the
+        worker's measured step time, so only arrivals in that last stretch wait the extra
+        round. Steps of 1-2 ms (a small model, few streams) then no longer idle through the
+        round trip (2 ms) after each admission; steps longer than `lead_s` never go ahead.
         """
         if not self.is_alive or len(self.inflight) >= max_inflight_rounds:
             return False
         if not self.inflight or self.inflight[-1].num_steps == 1 or quiet_rounds == 0:
             return True
-        return self.rounds_since_admission >= quiet_rounds and not self.waiting
+        if self.rounds_since_admission >= quiet_rounds and not self.waiting:
+            return True
+        return self.step_s is not None and self.inflight[-1].steps_left * self.step_s <= lead_s
+
+    def step_returned(self, rnd: InflightRound, sampled_unix_ns: int) -> None:
+        """One step of `rnd` came back, sampled at `sampled_unix_ns` (the worker's clock; 0: unknown)."""
+        if rnd.num_returned and rnd.last_sampled_unix_ns and sampled_unix_ns > rnd.last_sampled_unix_ns:
+            seconds = (sampled_unix_ns - rnd.last_sampled_unix_ns) / 1e9
+            old = self.step_s
+            self.step_s = seconds if old is None else old + STEP_TIME_SMOOTHING * (seconds - old)
+        rnd.num_returned += 1
+        rnd.last_sampled_unix_ns = sampled_unix_ns
 
     def add(self, request: Request, hold_for: Request | None = None) -> None:
         """Queue the request; with `hold_for` (its group's first sample, on this worker) hold it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Request, RequestStatus
@@ -165,6 +166,31 @@ def _run_all(sched: Scheduler, worker: FakeWorker, sink: UpdateSink, *rounds: Ex
     for _ in rounds:
         for out in worker.run_round():
             sched.update_from_output(0, out, sink)
+
+
+def test_multi_step_round_goes_ahead_just_in_time_while_requests_arrive() -> None:
+    """Not quiet (a request was just admitted): the next n-step round is built once the round in
+    flight will end within pipeline_lead_ms by the worker's step time, measured between its
+    outputs' sampling times; with steps longer than that (or no lead), only once it is back."""
+    for step_ms, lead_ms, built_after in ((2, 5, 6), (1, 5, 3), (2, 0, 8), (6, 5, 8)):
+        sched, [worker] = _make(num_scheduler_steps=8, pipeline_lead_ms=lead_ms)
+        sink = UpdateSink()
+        sched.add_request(_req("a", [5, 6, 7], max_tokens=100), sink)
+        first = sched.schedule()[0]
+        worker.submit(first)
+        outputs = worker.run_round()
+        second = None
+        for fed, out in enumerate(outputs, start=1):
+            sched.update_from_output(0, replace(out, sampled_unix_ns=10**9 + fed * step_ms * 10**6), sink)
+            second = sched.schedule().get(0)
+            if second is not None:
+                break
+        assert second is not None and fed == built_after, f"{step_ms} ms steps, lead {lead_ms} ms: built after {fed}"
+        assert second.num_steps == 8 and second.num_scheduled_tokens == [1], "a's next decode round"
+        worker.submit(second)
+        for out in outputs[fed:] + worker.run_round():  # the rest of the first round, then the second
+            sched.update_from_output(0, out, sink)
+        assert len(sched.requests["a"].output_token_ids) == 16
 
 
 def test_a_burst_of_prefills_is_held_to_a_few_tokens_per_stream() -> None:
