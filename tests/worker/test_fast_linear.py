@@ -51,12 +51,12 @@ def test_kernel_equals_f_linear(rows: int, out_features: int, in_features: int, 
 @pytest.mark.parametrize(("rows", "out_features", "in_features"),
                          [(8, 97, 19), (12, 97, 19), (16, 96, 256), (17, 200, 75), (64, 385, 300), (65, 100, 33),
                           (130, 50, 16), (64, 24, 1), (2, 97, 19), (3, 8, 1), (4, 130, 75), (6, 64, 33), (7, 41, 300),
-                          (10, 9, 70)])
+                          (10, 9, 70), (1, 97, 19), (1, 130, 300), (1, 64, 128), (1, 33, 1)])
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
 def test_bf16_activations_and_weights_match_a_float64_reference(rows: int, out_features: int, in_features: int,
                                                                  weight_dtype: torch.dtype) -> None:
     """A --dtype bfloat16 model's linear layers: bf16 x and W (on AVX512-BF16 the tiles take k in
-    pairs, vdpbf16ps, from x's rows as they lie, from 2 rows on; odd K pairs its last k with zero), or bf16 x and
+    pairs, vdpbf16ps, from x's rows as they lie, one row too; odd K pairs its last k with zero), or bf16 x and
     fp32 W (x widened as it is transposed); within one bf16 rounding of the exact result, as a
     native bf16 GEMM is."""
     gen = torch.Generator().manual_seed(rows * 7 + in_features)
