@@ -142,8 +142,9 @@ inline float row_dot(const float* x, const W* w, int64_t K) {
 // -> 17 / 21 / 33, the medium model's 5632 x 1024 560 / 1091 / 1595 -> 140 / 188 / 289 (oneDNN
 // 175 / 185 / 258, k-interleaved); fp32 1.1-1.9x. Weights from memory (copies cycled past the
 // caches; /tmp script): 2 rows 1.6-3x faster, 4 rows 1.25-2.5x (medium 5632 x 1024 at 4 rows
-// 949 -> 374 us). One row keeps row_dot: from memory this tile tied it, from cache it was mixed.
-// SPINDLE_DISABLE_FEW_ROWS_TILES=1: the AVX2 tiles, for side-by-side runs.
+// 949 -> 374 us). One row keeps row_dot, not this tile: from memory the tile tied it, from
+// cache it was mixed; bf16 x with bf16 W takes run_one_row_pairs below. SPINDLE_DISABLE_FEW_ROWS_TILES=1:
+// the AVX2 tiles and row_dot, for side-by-side runs.
 
 bool few_rows_disabled() {
   static const bool disabled = env_flag("SPINDLE_DISABLE_FEW_ROWS_TILES");
@@ -178,25 +179,29 @@ struct Bf16Pairs {
 
 #ifdef __AVX512BF16__
 // One row of bf16 x with bf16 W (a --dtype bfloat16 model's single stream): as run()'s one-row
-// path, one feature at a time so each thread reads its share of W as one sequential stream, but
-// on k pairs (vdpbf16ps, 32 k a step), where row_dot widens both x and W and takes 8 k a step:
-// at the medium model's shapes, weights from memory, it read them at 0.78-0.91 of the machine's
-// summing bandwidth (2-core AMD EPYC Zen 4; figures in the README).
+// path, one feature at a time so each thread reads its share of W as one sequential stream, with
+// 4 accumulators, but on k pairs (vdpbf16ps, 32 k a step, nothing widened) where row_dot widens
+// x and W and takes 8 k a step. With the weights in cache a call took 1.3-1.9x less time, and a
+// served stream of the small model gained in 5 of 6 pairs (figures in the README). The same loop
+// on fp32 lanes (16 k a step) for fp32 x, though faster in cache, lost served in 5 of 6 pairs, so
+// fp32 x keeps row_dot.
 template <typename Y>
 void run_one_row_pairs(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias, Y* y, int64_t N,
                        int64_t K) {
   using L = Bf16Pairs;
   constexpr int64_t kUnroll = 4;  // independent accumulators: dot-product latency x throughput
+  constexpr int64_t kBlock = kUnroll * L::kStep;
   spindle::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t f = begin; f < end; ++f) {
       const c10::BFloat16* wf = w + f * K;
       __m512 acc[kUnroll];
       for (auto& a : acc) a = _mm512_setzero_ps();
       int64_t k = 0;
-      for (; k + kUnroll * L::kStep <= K; k += kUnroll * L::kStep)
-        for (int64_t u = 0; u < kUnroll; ++u)
-          acc[u] = L::fma(acc[u], L::load(x + k + u * L::kStep, L::mask(L::kStep)),
-                          L::load(wf + k + u * L::kStep, L::mask(L::kStep)));
+      for (; k + kBlock <= K; k += kBlock)
+        for (int64_t u = 0; u < kUnroll; ++u) {
+          const auto all = L::mask(L::kStep);
+          acc[u] = L::fma(acc[u], L::load(x + k + u * L::kStep, all), L::load(wf + k + u * L::kStep, all));
+        }
       for (; k < K; k += L::kStep) acc[0] = L::fma(acc[0], L::load(x + k, L::mask(K - k)), L::load(wf + k, L::mask(K - k)));
       const float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
       store_sum(y + f, sum + (bias != nullptr ? bias[f] : 0.0f));
@@ -322,18 +327,22 @@ const float* float_rows(const at::Tensor& x) {
   return widened.data();
 }
 
-// 2 to kMidRows - 1 rows on the few-rows tiles where this build has them; false: the caller runs run().
+// 2 to kMidRows - 1 rows on the few-rows tiles, and one row of bf16 x with bf16 W on k pairs, where this
+// build has them; false: the caller runs run().
 template <typename Y>
 bool few_rows(const at::Tensor& x, const at::Tensor& w, const float* bias, Y* y, int64_t M, int64_t N, int64_t K) {
 #ifdef SPINDLE_FEW_ROWS_TILES
-  if (M < 2 || few_rows_disabled()) return false;
+  if (few_rows_disabled()) return false;
   const bool w_is_bf16 = w.scalar_type() == at::kBFloat16;
 #ifdef __AVX512BF16__
   if (w_is_bf16 && x.scalar_type() == at::kBFloat16 && !bf16_pairs_disabled()) {
-    run_few_rows<Bf16Pairs>(x.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(), bias, y, M, N, K);
+    const auto* xb = x.data_ptr<c10::BFloat16>();
+    const auto* wb = w.data_ptr<c10::BFloat16>();
+    M == 1 ? run_one_row_pairs(xb, wb, bias, y, N, K) : run_few_rows<Bf16Pairs>(xb, wb, bias, y, M, N, K);
     return true;
   }
 #endif
+  if (M < 2) return false;  // one row of fp32 x: row_dot (run_one_row_pairs says why)
   const float* xf = float_rows(x);
   if (w_is_bf16) {
     run_few_rows<Fp32Lanes>(xf, w.data_ptr<c10::BFloat16>(), bias, y, M, N, K);
@@ -381,12 +390,6 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c
     return y;
   }
   with_output(out, y.data_ptr(), [&](auto* yo) {
-#ifdef __AVX512BF16__
-    if (M == 1 && x_is_bf16 && w_is_bf16 && !bf16_pairs_disabled()) {
-      run_one_row_pairs(xc.data_ptr<c10::BFloat16>(), wc.data_ptr<c10::BFloat16>(), b, yo, N, K);
-      return;
-    }
-#endif
     if (few_rows(xc, wc, b, yo, M, N, K)) return;
     const float* xf = float_rows(xc);
     if (w_is_bf16) {
