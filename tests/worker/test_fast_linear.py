@@ -51,12 +51,12 @@ def test_kernel_equals_f_linear(rows: int, out_features: int, in_features: int, 
 @pytest.mark.parametrize(("rows", "out_features", "in_features"),
                          [(8, 97, 19), (12, 97, 19), (16, 96, 256), (17, 200, 75), (64, 385, 300), (65, 100, 33),
                           (130, 50, 16), (64, 24, 1), (2, 97, 19), (3, 8, 1), (4, 130, 75), (6, 64, 33), (7, 41, 300),
-                          (10, 9, 70), (1, 97, 19), (1, 130, 300), (1, 64, 128), (1, 33, 1)])
+                          (10, 9, 70)])
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
 def test_bf16_activations_and_weights_match_a_float64_reference(rows: int, out_features: int, in_features: int,
                                                                  weight_dtype: torch.dtype) -> None:
     """A --dtype bfloat16 model's linear layers: bf16 x and W (on AVX512-BF16 the tiles take k in
-    pairs, vdpbf16ps, from x's rows as they lie, one row too; odd K pairs its last k with zero), or bf16 x and
+    pairs, vdpbf16ps, from x's rows as they lie, from 2 rows on; odd K pairs its last k with zero), or bf16 x and
     fp32 W (x widened as it is transposed); within one bf16 rounding of the exact result, as a
     native bf16 GEMM is."""
     gen = torch.Generator().manual_seed(rows * 7 + in_features)
@@ -68,6 +68,38 @@ def test_bf16_activations_and_weights_match_a_float64_reference(rows: int, out_f
         got = torch.ops.spindle.linear_small_m(x, weight, b)
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-5 * in_features)
+
+
+@pytest.mark.parametrize("pairs", [True, False])
+def test_one_bf16_row_is_within_a_rounding_on_either_path(pairs: bool) -> None:
+    """One row of bf16 x with bf16 W: on k pairs (weights that fit in the cache) or widened (the
+    rest); both within one bf16 rounding of the exact result."""
+    gen = torch.Generator().manual_seed(11)
+    before = torch.ops.spindle.set_one_row_pairs(False)
+    try:
+        torch.ops.spindle.set_one_row_pairs(pairs)
+        for out_features, in_features in ((97, 19), (130, 300), (64, 128), (33, 1)):
+            x = torch.randn(1, in_features, generator=gen).to(torch.bfloat16)
+            weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+            bias = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+            exact = F.linear(x.double(), weight.double(), bias.double())
+            got = torch.ops.spindle.linear_small_m(x, weight, bias)
+            torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-5 * in_features)
+    finally:
+        torch.ops.spindle.set_one_row_pairs(before)
+
+
+def test_one_row_pairs_only_for_weights_that_fit_in_half_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.worker.kernels.build import cpu_has_native_bf16
+
+    monkeypatch.setattr(fast_linear, "last_level_cache_bytes", lambda: 32 << 20)
+    try:
+        assert fast_linear.set_one_row_pairs(10 << 20) == cpu_has_native_bf16(), "fits: on where the CPU has bf16 math"
+        assert not fast_linear.set_one_row_pairs(17 << 20), "past half the cache: widened"
+        monkeypatch.setattr(fast_linear, "last_level_cache_bytes", lambda: 0)
+        assert not fast_linear.set_one_row_pairs(1 << 20), "cache size unknown: widened"
+    finally:
+        torch.ops.spindle.set_one_row_pairs(False)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 11, 12, 64])  # one row, the few-rows tiles, the tens-of-rows kernel

@@ -286,6 +286,28 @@ def calibration_path() -> Path:
     return library_path().parent / calibration_cache.FILE_NAME
 
 
+def last_level_cache_bytes() -> int:
+    """Size of the CPU's largest cache level (sysfs; 0 where Linux does not say)."""
+    sizes = {}
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
+            sizes[level] = int(size.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(size[-1], 0)
+        except (OSError, ValueError):
+            continue
+    return sizes[max(sizes)] if sizes else 0
+
+
+def set_one_row_pairs(weight_bytes: int) -> bool:
+    """One row of bf16 x with bf16 W takes k pairs (vdpbf16ps) only where the weights fit in half the
+    last-level cache: there it is compute that limits, and the kernel does a quarter of the work;
+    streamed from memory it measured slower (kernels/csrc/linear_small_m.cpp). Returns whether it is on."""
+    on = bool(torch.ops.spindle.set_one_row_pairs(0 < weight_bytes <= last_level_cache_bytes() // 2))
+    logger.info("one-row bf16 linears %s (%.0f MB of weights, last-level cache %.0f MB)",
+                "on k pairs" if on else "widened", weight_bytes / 2**20, last_level_cache_bytes() / 2**20)
+    return on
+
+
 @torch.inference_mode()
 def calibrate(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict[tuple[int, int, str], int]:
     """Set `kernel_max_rows` (where the kernel wins every probe) and `probe_s` (the timings, for
@@ -313,6 +335,8 @@ def calibrate(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict[tupl
     path = calibration_path()
     stored = calibration_cache.load(path)
     unique = {m.weight.data_ptr(): m.weight.numel() * m.weight.element_size() for m in layers}
+    if dtype == torch.bfloat16:
+        set_one_row_pairs(sum(unique.values()))
     working_set = min(sum(unique.values()), _COLD_BYTES)
     measured: dict[str, ProbeTimes] = {}
     times_by_shape: dict[tuple[int, int, str], ProbeTimes] = {}

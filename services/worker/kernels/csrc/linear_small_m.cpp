@@ -32,6 +32,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -178,13 +179,17 @@ struct Bf16Pairs {
 #endif
 
 #ifdef __AVX512BF16__
-// One row of bf16 x with bf16 W (a --dtype bfloat16 model's single stream): as run()'s one-row
-// path, one feature at a time so each thread reads its share of W as one sequential stream, with
-// 4 accumulators, but on k pairs (vdpbf16ps, 32 k a step, nothing widened) where row_dot widens
-// x and W and takes 8 k a step. With the weights in cache a call took 1.3-1.9x less time, and a
-// served stream of the small model gained in 5 of 6 pairs (figures in the README). The same loop
-// on fp32 lanes (16 k a step) for fp32 x, though faster in cache, lost served in 5 of 6 pairs, so
-// fp32 x keeps row_dot.
+// One row of bf16 x with bf16 W (a --dtype bfloat16 model's single stream) where the model's
+// weights fit in the last-level cache: as run()'s one-row path, one feature at a time so each
+// thread reads its share of W as one sequential stream, with 4 accumulators, but on k pairs
+// (vdpbf16ps, 32 k a step, nothing widened) where row_dot widens x and W and takes 8 k a step.
+// With the weights in cache a call took 1.3-1.9x less time and a served stream of the small
+// model (10 MB of weights) gained in 5 of 6 pairs; with them streamed from memory the medium
+// model (180 MB) lost 3-8 % in process and served, so the loader turns it on only for weights
+// that fit (set_one_row_pairs, models/fast_linear.py; figures in the README). The same loop on
+// fp32 lanes for fp32 x, though faster in cache, lost served in 5 of 6 pairs: fp32 x keeps row_dot.
+std::atomic<bool> one_row_pairs_on{false};
+
 template <typename Y>
 void run_one_row_pairs(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias, Y* y, int64_t N,
                        int64_t K) {
@@ -338,8 +343,14 @@ bool few_rows(const at::Tensor& x, const at::Tensor& w, const float* bias, Y* y,
   if (w_is_bf16 && x.scalar_type() == at::kBFloat16 && !bf16_pairs_disabled()) {
     const auto* xb = x.data_ptr<c10::BFloat16>();
     const auto* wb = w.data_ptr<c10::BFloat16>();
-    M == 1 ? run_one_row_pairs(xb, wb, bias, y, N, K) : run_few_rows<Bf16Pairs>(xb, wb, bias, y, M, N, K);
-    return true;
+    if (M > 1) {
+      run_few_rows<Bf16Pairs>(xb, wb, bias, y, M, N, K);
+      return true;
+    }
+    if (one_row_pairs_on.load(std::memory_order_relaxed)) {
+      run_one_row_pairs(xb, wb, bias, y, N, K);
+      return true;
+    }
   }
 #endif
   if (M < 2) return false;  // one row of fp32 x: row_dot (run_one_row_pairs says why)
@@ -401,10 +412,23 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c
   return y;
 }
 
+// Whether one row of bf16 x with bf16 W takes k pairs (run_one_row_pairs says when it pays);
+// false where this build has no AVX512-BF16. Returns what is now in force.
+bool set_one_row_pairs(bool on) {
+#ifdef __AVX512BF16__
+  one_row_pairs_on.store(on, std::memory_order_relaxed);
+  return on;
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 }  // namespace spindle
 
 TORCH_LIBRARY_FRAGMENT(spindle, m) {
   m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias, bool float_out=False) -> Tensor");
+  m.def("set_one_row_pairs(bool on) -> bool", &spindle::set_one_row_pairs);
 }
 
 TORCH_LIBRARY_IMPL(spindle, CPU, m) { m.impl("linear_small_m", &spindle::linear_small_m); }
