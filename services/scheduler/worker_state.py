@@ -117,8 +117,8 @@ class WorkerState:
         A round sent ahead hides the scheduler round trip, but a request arriving meanwhile
         waits for it to finish. For 1-step rounds that costs one step; for n-step rounds it
         costs n steps of an idle slot per arrival, which measured worse than the round trip
-        while requests keep arriving. So a multi-step round is sent ahead early only when no
-        round admitted a request in the last `quiet_rounds` rounds and nobody waits; otherwise
+        while requests keep arriving. So a multi-step round goes ahead only while nobody waits:
+        early when no round admitted a request in the last `quiet_rounds` rounds, otherwise
         just in time (`lead_s`): once the round in flight will end within `lead_s` by the
         worker's measured step time, so only arrivals in that last stretch wait the extra
         round. Steps of 1-2 ms (a small model, few streams) then no longer idle through the
@@ -128,7 +128,9 @@ class WorkerState:
             return False
         if not self.inflight or self.inflight[-1].num_steps == 1 or quiet_rounds == 0:
             return True
-        if self.rounds_since_admission >= quiet_rounds and not self.waiting:
+        if self.waiting:
+            return False  # built now, the round would go without them
+        if self.rounds_since_admission >= quiet_rounds:
             return True
         return self.step_s is not None and self.inflight[-1].steps_left * self.step_s <= lead_s
 
