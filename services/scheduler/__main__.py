@@ -83,8 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline-lead-ms", type=float,
                         default=float(_env("PIPELINE_LEAD_MS", str(defaults.pipeline_lead_ms))),
                         help="until rounds are quiet, send the next multi-step round once the one in flight ends "
-                             "within this long (hides the round trip where steps are short, e.g. 5 for one stream "
-                             "of a small model; 0: never) "
+                             "within this long (hides the round trip where steps are short; 0: never) "
                              "[SPINDLE_PIPELINE_LEAD_MS]")
     parser.add_argument("--worker-ready-timeout-s", type=float,
                         default=float(_env("WORKER_READY_TIMEOUT_S", str(defaults.worker_ready_timeout_s))),

@@ -40,8 +40,7 @@ class SchedulerConfig:
             admitted no request (a round sent ahead delays arrivals by n steps; 0 = always).
         pipeline_lead_ms: before that, the next multi-step round is sent just in time: once the
             round in flight will end within this long, by the worker's measured step time
-            (hides the scheduler round trip where steps are short; 0 = never, the default:
-            at 64 streams of the small model it raised TTFT, README "CPU speed").
+            (hides the scheduler round trip where steps are short; 0 = never).
         worker_ready_timeout_s: give up waiting for a worker's GetWorkerInfo after this long
             (0 waits forever).
         stats_interval_s: period of the INFO counters log while busy.
@@ -72,7 +71,7 @@ class SchedulerConfig:
     enable_priority_preemption: bool = False
     max_inflight_rounds: int = 2
     pipeline_quiet_rounds: int = 2
-    pipeline_lead_ms: float = 0.0
+    pipeline_lead_ms: float = 5.0
     worker_ready_timeout_s: float = 0.0
     stats_interval_s: float = 10.0
     max_waiting_requests: int = 4096
