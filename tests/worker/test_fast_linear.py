@@ -75,7 +75,6 @@ def test_one_bf16_row_is_within_a_rounding_on_either_path(pairs: bool) -> None:
     """One row of bf16 x with bf16 W: on k pairs (weights that fit in the cache) or widened (the
     rest); both within one bf16 rounding of the exact result."""
     gen = torch.Generator().manual_seed(11)
-    before = torch.ops.spindle.set_one_row_pairs(False)
     try:
         torch.ops.spindle.set_one_row_pairs(pairs)
         for out_features, in_features in ((97, 19), (130, 300), (64, 128), (33, 1)):
@@ -86,7 +85,7 @@ def test_one_bf16_row_is_within_a_rounding_on_either_path(pairs: bool) -> None:
             got = torch.ops.spindle.linear_small_m(x, weight, bias)
             torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-5 * in_features)
     finally:
-        torch.ops.spindle.set_one_row_pairs(before)
+        torch.ops.spindle.set_one_row_pairs(False)  # the state before any load turns it on
 
 
 def test_one_row_pairs_only_for_weights_that_fit_in_half_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:

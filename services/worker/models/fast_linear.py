@@ -302,9 +302,10 @@ def set_one_row_pairs(weight_bytes: int) -> bool:
     """One row of bf16 x with bf16 W takes k pairs (vdpbf16ps) only where the weights fit in half the
     last-level cache: there it is compute that limits, and the kernel does a quarter of the work;
     streamed from memory it measured slower (kernels/csrc/linear_small_m.cpp). Returns whether it is on."""
-    on = bool(torch.ops.spindle.set_one_row_pairs(0 < weight_bytes <= last_level_cache_bytes() // 2))
+    cache_bytes = last_level_cache_bytes()
+    on = bool(torch.ops.spindle.set_one_row_pairs(0 < weight_bytes <= cache_bytes // 2))
     logger.info("one-row bf16 linears %s (%.0f MB of weights, last-level cache %.0f MB)",
-                "on k pairs" if on else "widened", weight_bytes / 2**20, last_level_cache_bytes() / 2**20)
+                "on k pairs" if on else "widened", weight_bytes / 2**20, cache_bytes / 2**20)
     return on
 
 
@@ -335,9 +336,10 @@ def calibrate(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict[tupl
     path = calibration_path()
     stored = calibration_cache.load(path)
     unique = {m.weight.data_ptr(): m.weight.numel() * m.weight.element_size() for m in layers}
+    weight_bytes = sum(unique.values())
     if dtype == torch.bfloat16:
-        set_one_row_pairs(sum(unique.values()))
-    working_set = min(sum(unique.values()), _COLD_BYTES)
+        set_one_row_pairs(weight_bytes)
+    working_set = min(weight_bytes, _COLD_BYTES)
     measured: dict[str, ProbeTimes] = {}
     times_by_shape: dict[tuple[int, int, str], ProbeTimes] = {}
     for layer in layers:
