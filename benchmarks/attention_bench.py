@@ -17,6 +17,12 @@ warm-up. The cache's blocks are shuffled over the pool, as a busy server leaves 
     python -m benchmarks.attention_bench --contexts 128,1024 --long 2048 --short 128 --repeats 20
     python -m benchmarks.attention_bench --model small --contexts 160,1024
     python -m benchmarks.attention_bench --contexts 192,1024,4096 --kv-cache-dtypes float32,bfloat16
+    python -m benchmarks.attention_bench --model medium-long --contexts 256 --prefill-contexts 512,2048,4096
+
+`--prefill-contexts` adds a table for chunked prefill: one row whose last chunk of queries
+(`--prefill-chunk`, 2048) attends to a cached prompt of that many tokens, all layers, with
+GFLOP/s (`SPINDLE_DISABLE_PREFILL_TILES=1` runs the paged kernel's per-query loop instead of its
+prefill tiles, for side-by-side runs).
 """
 
 from __future__ import annotations
@@ -63,6 +69,29 @@ def decode_metadata(seq_lens: np.ndarray, num_blocks: int, seed: int = 0) -> Com
         query_lens_host=ones,
         seq_lens_host=seq_lens.astype(np.int64),
         block_tables=torch.from_numpy(tables),
+        slot_mapping=torch.from_numpy(slots),
+    )
+
+
+def prefill_metadata(context: int, chunk: int, num_blocks: int, seed: int = 0) -> CommonAttentionMetadata:
+    """One row: the last `chunk` tokens of a `context`-token prompt (the rest cached before), as
+    chunked prefill computes a long prompt's later chunks; blocks drawn at random from the pool."""
+    rng = np.random.default_rng(seed)
+    blocks = -(-context // BLOCK_SIZE)
+    table = rng.permutation(num_blocks)[:blocks][None, :].astype(np.int64)
+    pos = np.arange(context - chunk, context)
+    slots = table[0, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+    return CommonAttentionMetadata(
+        attn_type=AttentionType.DECODER,
+        num_reqs=1,
+        num_tokens=chunk,
+        max_query_len=chunk,
+        max_seq_len=context,
+        query_start_loc=torch.tensor([0, chunk]),
+        seq_lens=torch.tensor([context]),
+        query_lens_host=np.array([chunk]),
+        seq_lens_host=np.array([context]),
+        block_tables=torch.from_numpy(table),
         slot_mapping=torch.from_numpy(slots),
     )
 
@@ -121,6 +150,53 @@ def time_shape(model: torch.nn.Module, backends: dict[str, tuple[AttentionBacken
     return results
 
 
+def time_prefill(model: torch.nn.Module, backends: dict[str, tuple[AttentionBackend, torch.dtype]], context: int,
+                 chunk: int, repeats: int) -> dict[str, float]:
+    """label -> attention ms over all layers for one prefill chunk (`prefill_metadata`)."""
+    config = model.config
+    num_blocks = -(-context // BLOCK_SIZE) + 8
+    common = prefill_metadata(context, chunk, num_blocks)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(chunk, n, config.head_dim, generator=gen)
+               for n in (config.num_heads, config.num_kv_heads, config.num_kv_heads))
+    spec = model.layers[0].self_attn.spec
+    results = {}
+    for name, (backend, dtype) in backends.items():
+        caches = random_kv_caches(config, num_blocks, backend.head_major_cache, dtype)
+        meta = backend.metadata_builder().build(common, [])
+
+        def attention(backend: AttentionBackend = backend, meta=meta, caches=caches) -> None:
+            for cache in caches:
+                backend.forward(spec, q, k, v, cache, meta)
+
+        with torch.inference_mode():
+            results[name] = median_ms(attention, repeats)
+    return results
+
+
+def prefill_gflop(config: DecoderConfig, context: int, chunk: int) -> float:
+    """Attention FLOPs of the chunk over all layers: scores and weighted values, 2 x 2 x head_dim
+    a (query head, visible key) pair, each query seeing the keys up to its own."""
+    pairs = sum(range(context - chunk + 1, context + 1))
+    return 4 * config.head_dim * config.num_heads * pairs * config.num_layers / 1e9
+
+
+def write_prefill_table(model: torch.nn.Module, backends: dict[str, tuple[AttentionBackend, torch.dtype]],
+                        contexts: list[int], chunk: int, repeats: int) -> None:
+    out = sys.stdout
+    out.write(f"\nprefill: one row, the last min(context, {chunk}) tokens of the prompt against all of it "
+              "(chunked prefill), attention of every layer, median of the repeats\n")
+    out.write("| context | chunk | backend, KV cache | attention ms | GFLOP/s |\n")
+    out.write("| --- | --- | --- | --- | --- |\n")
+    for context in contexts:
+        n = min(context, chunk)
+        r = time_prefill(model, backends, context, n, repeats)
+        gflop = prefill_gflop(model.config, context, n)
+        for name, ms in r.items():
+            out.write(f"| {context} | {n} | {name} | {ms:.1f} | {gflop / ms * 1e3:.0f} |\n")
+        out.flush()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.attention_bench", description=__doc__.splitlines()[0])
     p.add_argument("--contexts", default="256,1024", help="comma list: equal-context shapes")
@@ -132,6 +208,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--model", default="medium", help="benchmark model (benchmarks/models.py)")
     p.add_argument("--kv-cache-dtypes", default="float32",
                    help="comma list: the paged backend's cache dtypes (sdpa reads float32 only)")
+    p.add_argument("--prefill-contexts", default="",
+                   help="comma list: also time one long prompt's prefill chunk at these contexts, e.g. 2048,4096")
+    p.add_argument("--prefill-chunk", type=int, default=2048, help="query tokens of that chunk (the token budget)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     model = load_model(ensure_model(a.model), create_backend("sdpa", BLOCK_SIZE), torch.float32,
@@ -152,6 +231,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         for name, (att, step) in r.items():
             out.write(f"| {label} | {name} | {att:.2f} | {att_s / att:.2f}x | {step:.1f} | {step_s / step:.2f}x |\n")
         out.flush()
+    if a.prefill_contexts:  # the paged backend only: sdpa's padded layout makes a row of every query token
+        paged = {name: b for name, b in backends.items() if name != "sdpa"}
+        write_prefill_table(model, paged, [int(c) for c in a.prefill_contexts.split(",")], a.prefill_chunk, a.repeats)
 
 
 if __name__ == "__main__":

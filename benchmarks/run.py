@@ -78,8 +78,10 @@ class BenchSettings:
             raise ValueError(f"models={unknown} are not among {sorted(BENCH_MODELS)}")
         if any(c < 1 for c in self.concurrencies):
             raise ValueError(f"concurrencies={self.concurrencies} must all be at least 1")
-        if self.input_len + self.output_len > BENCH_MODELS["small"].max_position_embeddings:
-            raise ValueError(f"input_len + output_len = {self.input_len + self.output_len} exceeds the models' 2048")
+        limit = min(BENCH_MODELS[m].max_position_embeddings for m in self.models)
+        if self.input_len + self.output_len > limit:
+            raise ValueError(f"input_len + output_len = {self.input_len + self.output_len} exceeds {limit}, the "
+                             f"context of the shortest of models={list(self.models)}")
 
     def requests_for(self, concurrency: int) -> int:
         return self.num_requests or max(2 * concurrency, self.min_requests)

@@ -108,18 +108,36 @@ def test_items_over_all_kv_heads_and_one_kv_head_each(rows, threads) -> None:
         torch.set_num_threads(previous)
 
 
+# Long prefill chunks over many blocks (the prefill tiles' path on AVX-512: 16-key blocks, 8+
+# query vectors an item): a chunk after a long cached prefix, a whole prompt, a chunk whose
+# tile ends mid-block, and decode rows beside them.
+LONG_ROWS = [(300, 150), (257, 257), (1000, 20), (40, 1), (77, 9)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_l1_prefetch_switch_keeps_the_outputs(dtype) -> None:
-    """SPINDLE_DISABLE_L2_PREFETCH=1 (prefetcht0, side-by-side runs) runs the same kernel: the
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "window"),
+    [(8, 2, 64, None), (16, 4, 64, 50), (4, 4, 32, None), (6, 2, 40, 33), (2, 1, 128, None)],
+)
+def test_long_prefill_chunks_match_dense_reference(dtype, heads, kv_heads, head_dim, window) -> None:
+    _check_against_reference(dtype, heads, kv_heads, head_dim, 16, window, None, LONG_ROWS, head_major=True)
+
+
+@pytest.mark.parametrize("switch", ["SPINDLE_DISABLE_L2_PREFETCH", "SPINDLE_DISABLE_PREFILL_TILES"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_switches_keep_the_outputs(dtype, switch) -> None:
+    """SPINDLE_DISABLE_L2_PREFETCH=1 (prefetcht0) and SPINDLE_DISABLE_PREFILL_TILES=1 (prefill
+    tiles through the per-query loop), for side-by-side runs, run the same kernel otherwise: the
     outputs still match the reference, decode and prefill rows (read once per process, so in a
     fresh interpreter)."""
     probe = f"""
 import torch
-from tests.worker.test_paged_attention import ROWS, _check_against_reference
-_check_against_reference(torch.{str(dtype).split('.')[1]}, 8, 2, 64, 16, None, None, ROWS, head_major=True)
+from tests.worker.test_paged_attention import LONG_ROWS, ROWS, _check_against_reference
+for rows in (ROWS, LONG_ROWS):
+    _check_against_reference(torch.{str(dtype).split('.')[1]}, 8, 2, 64, 16, None, None, rows, head_major=True)
 print("ok")
 """
-    env = {**os.environ, "SPINDLE_DISABLE_L2_PREFETCH": "1"}
+    env = {**os.environ, switch: "1"}
     result = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[2], env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

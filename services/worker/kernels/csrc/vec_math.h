@@ -109,6 +109,15 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+// exp_nonpositive on 16 lanes, as two halves of 8 (paged attention's prefill tiles, which keep
+// 16 query vectors' scores in one register).
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m256 lo = exp_nonpositive(_mm512_castps512_ps256(x)), hi = exp_nonpositive(_mm512_extractf32x8_ps(x, 1));
+  return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+#endif
+
 // The largest of a vector's 8 lanes.
 inline float max_lane(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
