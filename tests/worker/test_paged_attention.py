@@ -123,18 +123,21 @@ def test_long_prefill_chunks_match_dense_reference(dtype, heads, kv_heads, head_
     _check_against_reference(dtype, heads, kv_heads, head_dim, 16, window, None, LONG_ROWS, head_major=True)
 
 
-@pytest.mark.parametrize("switch", ["SPINDLE_DISABLE_L2_PREFETCH", "SPINDLE_DISABLE_PREFILL_TILES"])
+@pytest.mark.parametrize(
+    "switch", ["SPINDLE_DISABLE_L2_PREFETCH", "SPINDLE_DISABLE_PREFILL_TILES", "SPINDLE_PREFILL_TILES_AVX2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_switches_keep_the_outputs(dtype, switch) -> None:
-    """SPINDLE_DISABLE_L2_PREFETCH=1 (prefetcht0) and SPINDLE_DISABLE_PREFILL_TILES=1 (prefill
-    tiles through the per-query loop), for side-by-side runs, run the same kernel otherwise: the
-    outputs still match the reference, decode and prefill rows (read once per process, so in a
-    fresh interpreter)."""
+    """SPINDLE_DISABLE_L2_PREFETCH=1 (prefetcht0), SPINDLE_DISABLE_PREFILL_TILES=1 (prefill tiles
+    through the per-query loop) and SPINDLE_PREFILL_TILES_AVX2=1 (the tiles' 8-lane form, what an
+    AVX2-only CPU runs, on a CPU with AVX-512 too) run the same kernel otherwise: the outputs
+    still match the reference, decode and prefill rows (read once per process, so in a fresh
+    interpreter)."""
     probe = f"""
 import torch
 from tests.worker.test_paged_attention import LONG_ROWS, ROWS, _check_against_reference
 for rows in (ROWS, LONG_ROWS):
     _check_against_reference(torch.{str(dtype).split('.')[1]}, 8, 2, 64, 16, None, None, rows, head_major=True)
+    _check_against_reference(torch.{str(dtype).split('.')[1]}, 6, 2, 40, 16, 33, None, rows, head_major=True)
 print("ok")
 """
     env = {**os.environ, switch: "1"}

@@ -46,7 +46,7 @@ SOURCES = tuple(_CSRC / name for name in (
     "decoder_stack.cpp", "work_pool.cpp", "linear_mid_m.cpp"))
 # Not compiled on their own, but part of a build's key.
 HEADERS = (_CSRC / "fused_ops.h", _CSRC / "vec_math.h", _CSRC / "kernel_ops.h", _CSRC / "work_pool.h",
-           _CSRC / "linear_mid_m.h", _CSRC / "env_flag.h", _CSRC / "linear_out.h")
+           _CSRC / "linear_mid_m.h", _CSRC / "env_flag.h", _CSRC / "linear_out.h", _CSRC / "prefill_lanes.h")
 # 256-bit vectors even where -march=native's tuning prefers 128 (AMD Zen 1/2): the kernels keep
 # 4 heads x 16 fp32 accumulators in registers, which 128-bit vectors spill (measured: -25 % time).
 CXX_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp", "-std=c++20", "-fPIC", "-shared",

@@ -73,6 +73,9 @@
 #include "env_flag.h"
 #include "fused_ops.h"
 #include "kernel_ops.h"
+#ifdef __AVX2__
+#include "prefill_lanes.h"
+#endif
 #include "vec_math.h"
 #include "work_pool.h"
 
@@ -102,15 +105,22 @@ inline bool l2_prefetch_disabled() {
   return disabled;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX2__)
+#if defined(__AVX2__) && defined(__FMA__)
 #define SPINDLE_PREFILL_TILES 1
 #endif
 
 // SPINDLE_DISABLE_PREFILL_TILES=1: prefill tiles take the per-query loop (`accumulate`) as
-// before 2026-11-30, instead of `tile_block` (side-by-side runs).
+// before 2026-11-30, instead of `run_tiles` (side-by-side runs).
 inline bool prefill_tiles_disabled() {
   static const bool disabled = env_flag("SPINDLE_DISABLE_PREFILL_TILES");
   return disabled;
+}
+
+// SPINDLE_PREFILL_TILES_AVX2=1: the tiles' 8-lane AVX2 form on a CPU with AVX-512 too (tests
+// of the form an AVX2-only CPU runs; side-by-side runs).
+inline bool avx2_tiles_forced() {
+  static const bool forced = env_flag("SPINDLE_PREFILL_TILES_AVX2");
+  return forced;
 }
 
 // Asks for the cache line at p, into L2 (prefetcht1). Why not L1: a head-block is 64-128 lines,
@@ -209,8 +219,13 @@ class ItemKernel {
     const int64_t lo = key_lo(first_pos + q_begin), hi = last_pos + 1;  // keys any query here sees
     const int64_t* table = block_tables_ + row * s_.bt_stride;
 #ifdef SPINDLE_PREFILL_TILES
-    if (nq * G >= kMinTileVectors && BS == kLanes16 && D % 8 == 0 && s_.softcap == 0.0f && !prefill_tiles_disabled()) {
-      run_tiles(table, lo, hi, first_pos + q_begin, nq, heads, G, kh_begin, kh_end);
+    if (nq * G >= kMinTileVectors && BS == kTileKeys && D % 8 == 0 && s_.softcap == 0.0f && !prefill_tiles_disabled()) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+      if (!avx2_tiles_forced()) {
+        run_tiles<Lanes16>(table, lo, hi, first_pos + q_begin, nq, heads, G, kh_begin, kh_end);
+      } else
+#endif
+      run_tiles<Lanes8>(table, lo, hi, first_pos + q_begin, nq, heads, G, kh_begin, kh_end);
       write_out(row, q_begin, nq, heads, kh_begin * G);
       return;
     }
@@ -446,26 +461,29 @@ class ItemKernel {
 #ifdef SPINDLE_PREFILL_TILES
   // A prefill tile (several query tokens) as small GEMMs with the query vectors in the lanes:
   // the tile's query vectors of one KV head (tokens x its G query heads) are transposed once per
-  // item into groups of 16, one per lane, so against a block's 16 keys each score, the online
-  // softmax's running max and sum, and each value dimension of the accumulator are one register
-  // holding 16 query vectors: no horizontal sums, no per-query passes over a key, each key
-  // element broadcast once for 16 query vectors. Why: `accumulate` takes one query token at a
-  // time and reduces every dot product across lanes; on the chunks of a long prompt it ran at
-  // 83-91 GFLOP/s (medium shapes, 2 threads, AVX-512), about 40 % of a 4,000-token prompt's
-  // prefill. Lanes that do not see a key (causal or sliding-window bound, or padding past the
-  // tile) take -inf scores and weigh 0; a key row no lane sees is never read (it may not be
-  // written yet). The same online softmax and exponential as `accumulate`: only the order of
-  // the sums differs. Results go to acc_ and sum_ as `accumulate`'s do, normalised by `run`.
+  // item into slabs of L::N (16 on AVX-512, 8 on AVX2), one per lane, so against a block's 16
+  // keys each score, the online softmax's running max and sum, and each value dimension of the
+  // accumulator are one register holding a slab: no horizontal sums, no per-query passes over a
+  // key, each key element broadcast once for the whole slab. Why: `accumulate` takes one query
+  // token at a time and reduces every dot product across lanes; on the chunks of a long prompt
+  // it ran at 83-95 GFLOP/s, these at 133-159 (medium shapes, 2 threads, AVX-512; `python -m
+  // benchmarks.attention_bench --prefill-contexts`). Lanes that do not see a key (causal or
+  // sliding-window bound, or padding past the tile) take -inf scores and weigh 0; a key row no
+  // lane sees is never read (it may not be written yet). The same online softmax and
+  // exponential as `accumulate`: only the order of the sums differs. Results go to acc_ and sum_
+  // as `accumulate`'s do.
+  template <typename L>
   void run_tiles(const int64_t* table, int64_t lo, int64_t hi, int64_t pos0, int64_t nq, int64_t heads, int64_t G,
                  int64_t kh_begin, int64_t kh_end) {
-    const int64_t D = s_.head_dim, BS = kLanes16, n = nq * G, groups = (n + kLanes16 - 1) / kLanes16;
-    const int64_t num_kh = kh_end - kh_begin, slabs = num_kh * groups;  // one slab: 16 query vectors of one KV head
-    qt_.assign(slabs * D * kLanes16, 0.0f);
-    ot_.assign(slabs * D * kLanes16, 0.0f);
-    mx_.assign(slabs * kLanes16, -INFINITY);
-    sm_.assign(slabs * kLanes16, 0.0f);
-    pos_.assign(groups * kLanes16, INT32_MIN);  // padding lanes see no key
-    low_.assign(groups * kLanes16, INT32_MAX);
+    constexpr int64_t N = L::N;
+    const int64_t D = s_.head_dim, n = nq * G, groups = (n + N - 1) / N;
+    const int64_t num_kh = kh_end - kh_begin, slabs = num_kh * groups;  // a slab: N query vectors of one KV head
+    qt_.assign(slabs * D * N, 0.0f);
+    ot_.assign(slabs * D * N, 0.0f);
+    mx_.assign(slabs * N, -INFINITY);
+    sm_.assign(slabs * N, 0.0f);
+    pos_.assign(groups * N, INT32_MIN);  // padding lanes see no key
+    low_.assign(groups * N, INT32_MAX);
     for (int64_t t = 0; t < n; ++t) {  // lane t: token t / G, query head t % G of the KV head
       pos_[t] = static_cast<int32_t>(pos0 + t / G);
       low_[t] = static_cast<int32_t>(key_lo(pos0 + t / G));
@@ -473,91 +491,86 @@ class ItemKernel {
     for (int64_t kh = 0; kh < num_kh; ++kh)
       for (int64_t t = 0; t < n; ++t) {
         const float* q = q_.data() + ((t / G) * heads + kh * G + t % G) * D;
-        float* dst = qt_.data() + ((kh * groups + t / kLanes16) * D) * kLanes16 + t % kLanes16;
-        for (int64_t d = 0; d < D; ++d) dst[d * kLanes16] = q[d];
+        float* dst = qt_.data() + (kh * groups + t / N) * D * N + t % N;
+        for (int64_t d = 0; d < D; ++d) dst[d * N] = q[d];
       }
-    for (int64_t b = lo / BS; b * BS < hi; ++b) {
-      const int64_t j0 = b * BS;
+    for (int64_t b = lo / kTileKeys; b * kTileKeys < hi; ++b) {
       for (int64_t kh = kh_begin; kh < kh_end; ++kh) {
-        if ((b + 1) * BS < hi) prefetch_head_block(raw(table[b + 1], kh));
+        if ((b + 1) * kTileKeys < hi) prefetch_head_block(raw(table[b + 1], kh));
         const Block block = load_block(table[b], kh);
-        for (int64_t g = 0; g < groups; ++g) tile_block(((kh - kh_begin) * groups + g), g, j0, block);
+        for (int64_t g = 0; g < groups; ++g) tile_block<L>((kh - kh_begin) * groups + g, g, b * kTileKeys, block);
       }
     }
     for (int64_t kh = 0; kh < num_kh; ++kh)
       for (int64_t t = 0; t < n; ++t) {
-        const int64_t qv = (t / G) * heads + kh * G + t % G, slab = kh * groups + t / kLanes16;
-        const float* src = ot_.data() + slab * D * kLanes16 + t % kLanes16;
-        for (int64_t d = 0; d < D; ++d) acc_[qv * D + d] = src[d * kLanes16];
-        sum_[qv] = sm_[slab * kLanes16 + t % kLanes16];
+        const int64_t qv = (t / G) * heads + kh * G + t % G, slab = kh * groups + t / N;
+        const float* src = ot_.data() + slab * D * N + t % N;
+        for (int64_t d = 0; d < D; ++d) acc_[qv * D + d] = src[d * N];
+        sum_[qv] = sm_[slab * N + t % N];
       }
   }
 
-  // One block's keys [j0, j0 + 16) against the 16 query vectors of `slab` (lanes of group `g`).
+  // One block's keys [j0, j0 + 16) against the query vectors of `slab` (lanes of group `g`).
+  template <typename L>
   void tile_block(int64_t slab, int64_t g, int64_t j0, const Block& blk) {
+    constexpr int64_t N = L::N;
+    using V = typename L::V;
     const int64_t D = s_.head_dim;
-    const __m512i pos = _mm512_loadu_si512(pos_.data() + g * kLanes16);
-    const __m512i low = _mm512_loadu_si512(low_.data() + g * kLanes16);
-    __mmask16 seen[kLanes16];
+    typename L::M seen[kTileKeys];
     bool any = false;
-    for (int64_t j = 0; j < kLanes16; ++j) {
-      const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(j0 + j));
-      seen[j] = _mm512_cmp_epi32_mask(key, pos, _MM_CMPINT_LE) & _mm512_cmp_epi32_mask(low, key, _MM_CMPINT_LE);
-      any |= seen[j] != 0;
+    for (int64_t j = 0; j < kTileKeys; ++j) {
+      seen[j] = L::sees(pos_.data() + g * N, low_.data() + g * N, static_cast<int32_t>(j0 + j));
+      any = any || L::any(seen[j]);
     }
     if (!any) return;  // every query vector here is past this block's window or before its keys
-    const float* qt = qt_.data() + slab * D * kLanes16;
-    float* w = pt_;  // [16 keys][16 lanes]: scores, then weights
-    for (int64_t j = 0; j < kLanes16; j += 8) {  // 8 keys at a time: 8 independent FMA chains over d
+    const float* qt = qt_.data() + slab * D * N;
+    float* w = pt_;  // [16 keys][N lanes]: scores, then weights
+    for (int64_t j = 0; j < kTileKeys; j += 8) {  // 8 keys at a time: 8 independent FMA chains over d
       const float* k[8];
       for (int jj = 0; jj < 8; ++jj) k[jj] = blk.k + (j + jj) * blk.stride;
-      __m512 acc[8];
-      for (auto& x : acc) x = _mm512_setzero_ps();
+      V acc[8];
+      for (auto& x : acc) x = L::zero();
       for (int64_t d = 0; d < D; ++d) {
-        const __m512 q = _mm512_loadu_ps(qt + d * kLanes16);
-        for (int jj = 0; jj < 8; ++jj) acc[jj] = _mm512_fmadd_ps(_mm512_set1_ps(k[jj][d]), q, acc[jj]);
+        const V q = L::load(qt + d * N);
+        for (int jj = 0; jj < 8; ++jj) acc[jj] = L::fmadd(L::set1(k[jj][d]), q, acc[jj]);
       }
-      for (int jj = 0; jj < 8; ++jj) _mm512_storeu_ps(w + (j + jj) * kLanes16, acc[jj]);
+      for (int jj = 0; jj < 8; ++jj) L::store(w + (j + jj) * N, acc[jj]);
     }
-    const __m512 ninf = _mm512_set1_ps(-INFINITY);
-    __m512 block_max = ninf;
-    for (int64_t j = 0; j < kLanes16; ++j)
-      block_max = _mm512_max_ps(block_max, _mm512_mask_mov_ps(ninf, seen[j], _mm512_loadu_ps(w + j * kLanes16)));
-    float* mx = mx_.data() + slab * kLanes16;
-    float* sm = sm_.data() + slab * kLanes16;
-    const __m512 old_max = _mm512_loadu_ps(mx);
-    const __m512 new_max = _mm512_max_ps(old_max, block_max);
+    const V ninf = L::set1(-INFINITY);
+    V block_max = ninf;
+    for (int64_t j = 0; j < kTileKeys; ++j) block_max = L::max(block_max, L::select(seen[j], L::load(w + j * N), ninf));
+    float* mx = mx_.data() + slab * N;
+    float* sm = sm_.data() + slab * N;
+    const V old_max = L::load(mx), new_max = L::max(old_max, block_max);
     // A lane that has seen no key yet keeps max -inf: its factor is 1 (nothing to rescale), not exp(NaN).
-    const __mmask16 started = _mm512_cmp_ps_mask(new_max, ninf, _CMP_NEQ_OQ);
-    const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), started,
-                                            exp_nonpositive(_mm512_sub_ps(old_max, new_max)));
-    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(sm), alpha);
-    for (int64_t j = 0; j < kLanes16; ++j) {
-      const __m512 p = _mm512_maskz_mov_ps(seen[j], exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(w + j * kLanes16), new_max)));
-      _mm512_storeu_ps(w + j * kLanes16, p);
-      sum = _mm512_add_ps(sum, p);
+    const V alpha = L::select(L::not_equal(new_max, ninf), L::exp(L::sub(old_max, new_max)), L::set1(1.0f));
+    V sum = L::mul(L::load(sm), alpha);
+    for (int64_t j = 0; j < kTileKeys; ++j) {
+      const V p = L::keep(seen[j], L::exp(L::sub(L::load(w + j * N), new_max)));
+      L::store(w + j * N, p);
+      sum = L::add(sum, p);
     }
-    _mm512_storeu_ps(mx, new_max);
-    _mm512_storeu_ps(sm, sum);
-    float* ot = ot_.data() + slab * D * kLanes16;
-    for (int64_t d0 = 0; d0 < D; d0 += 8) {  // 8 value dimensions x 16 lanes in registers over the keys
-      __m512 acc[8];
-      for (int dd = 0; dd < 8; ++dd) acc[dd] = _mm512_mul_ps(_mm512_loadu_ps(ot + (d0 + dd) * kLanes16), alpha);
-      for (int64_t j = 0; j < kLanes16; ++j) {
-        if (seen[j] == 0) continue;  // no lane sees this key: its value row may not be written
-        const __m512 p = _mm512_loadu_ps(w + j * kLanes16);
+    L::store(mx, new_max);
+    L::store(sm, sum);
+    float* ot = ot_.data() + slab * D * N;
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {  // 8 value dimensions x N lanes in registers over the keys
+      V acc[8];
+      for (int dd = 0; dd < 8; ++dd) acc[dd] = L::mul(L::load(ot + (d0 + dd) * N), alpha);
+      for (int64_t j = 0; j < kTileKeys; ++j) {
+        if (!L::any(seen[j])) continue;  // no lane sees this key: its value row may not be written
+        const V p = L::load(w + j * N);
         const float* v = blk.v + j * blk.stride + d0;
-        for (int dd = 0; dd < 8; ++dd) acc[dd] = _mm512_fmadd_ps(_mm512_set1_ps(v[dd]), p, acc[dd]);
+        for (int dd = 0; dd < 8; ++dd) acc[dd] = L::fmadd(L::set1(v[dd]), p, acc[dd]);
       }
-      for (int dd = 0; dd < 8; ++dd) _mm512_storeu_ps(ot + (d0 + dd) * kLanes16, acc[dd]);
+      for (int dd = 0; dd < 8; ++dd) L::store(ot + (d0 + dd) * N, acc[dd]);
     }
   }
 
-  static constexpr int64_t kLanes16 = 16;       // query vectors per register; keys per block on this path
+  static constexpr int64_t kTileKeys = 16;      // keys per block on this path (block_size 16)
   static constexpr int64_t kMinTileVectors = 8;  // fewer query vectors (decode, short chunks): `accumulate`
-  std::vector<float> qt_, ot_, mx_, sm_;  // per slab: queries and accumulator [D][16], max and sum [16]
+  std::vector<float> qt_, ot_, mx_, sm_;  // per slab: queries and accumulator [D][N], max and sum [N]
   std::vector<int32_t> pos_, low_;        // per lane: its position and its first visible key
-  alignas(64) float pt_[kLanes16 * kLanes16];
+  alignas(64) float pt_[kTileKeys * 16];  // a block's scores, then weights: [16 keys][N <= 16 lanes]
 #endif
 
   // Turns scores s[a, e) of query vector `qv` into weights against its new running max, adds
