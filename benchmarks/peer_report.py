@@ -350,8 +350,11 @@ def format_limits(rows: Sequence[PeerRow]) -> str:
 def format_report(rows: Sequence[PeerRow]) -> str:
     """The whole Markdown report: limits, the table, the fractions, the sweep."""
     parts = ["## Machine limits (measured in the same run)\n", format_limits(rows)]
-    if any(r.part == TABLE for r in rows):
-        parts += ["\n## Output tokens/s, 128 prompt + 128 output tokens, greedy, a fresh server per cell\n\n",
+    table = [r for r in rows if r.part == TABLE]
+    if table:
+        lengths = sorted({(r.prompt_len, r.output_len) for r in table})
+        shape = "; ".join(f"{p} prompt + {o} output tokens" for p, o in lengths)
+        parts += [f"\n## Output tokens/s, {shape}, greedy, a fresh server per cell\n\n",
                   format_peer_table(rows), "\n## Against the machine's limits\n\n", format_limit_table(rows)]
     if any(r.part == SWEEP for r in rows):
         parts += ["\n## Decode step time as contexts grow (steady-state ITL p50: at least 90 % of the streams "
