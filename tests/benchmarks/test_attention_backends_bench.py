@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import numpy as np
+from types import SimpleNamespace
 
-from benchmarks.attention_bench import BLOCK_SIZE, decode_metadata
+import numpy as np
+import pytest
+
+from benchmarks.attention_bench import BLOCK_SIZE, decode_metadata, prefill_gflop, prefill_metadata
+from benchmarks.models import BENCH_MODELS
 from benchmarks.run import BenchSettings, parse_settings, plan
 
 
@@ -30,3 +34,27 @@ def test_decode_metadata_gives_each_row_its_own_shuffled_blocks() -> None:
     last = seq_lens - 1  # each row's new token goes to its last position
     expected = tables[np.arange(64), last // BLOCK_SIZE] * BLOCK_SIZE + last % BLOCK_SIZE
     assert (meta.slot_mapping.numpy() == expected).all() and meta.max_query_len == 1
+
+
+def test_prefill_metadata_is_the_last_chunk_of_one_long_prompt() -> None:
+    context, chunk = 4096, 2048
+    num_blocks = context // BLOCK_SIZE + 8
+    meta = prefill_metadata(context, chunk, num_blocks)
+    table = meta.block_tables.numpy()[0]
+    assert len(np.unique(table)) == context // BLOCK_SIZE and table.max() < num_blocks
+    pos = np.arange(context - chunk, context)  # this pass writes the chunk's own keys at their slots
+    assert (meta.slot_mapping.numpy() == table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE).all()
+    assert (meta.max_query_len, meta.max_seq_len, meta.query_start_loc.tolist()) == (chunk, context, [0, chunk])
+
+
+def test_prefill_flops_count_each_query_against_the_keys_up_to_its_own() -> None:
+    config = SimpleNamespace(head_dim=64, num_heads=16, num_layers=8)  # the fields it reads
+    # a 2-token chunk after 3 cached tokens: its queries see 4 and 5 keys
+    assert prefill_gflop(config, 5, 2) == pytest.approx(4 * 64 * 16 * (4 + 5) * 8 / 1e9)
+
+
+def test_run_checks_the_context_of_the_models_it_runs() -> None:
+    assert BENCH_MODELS["medium-long"].max_position_embeddings >= 4009 > BENCH_MODELS["medium"].max_position_embeddings
+    assert parse_settings(["--models", "medium-long", "--input-len", "4000", "--output-len", "9"]).input_len == 4000
+    with pytest.raises(ValueError, match="exceeds 2048"):
+        parse_settings(["--models", "medium,medium-long", "--input-len", "4000", "--output-len", "9"])

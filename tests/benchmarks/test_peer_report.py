@@ -193,3 +193,10 @@ def test_limits_line_gives_the_range_when_measured_before_every_run() -> None:
     # each row's bandwidth fraction uses its own measurement
     assert limit_fractions(moved[1]).bandwidth == pytest.approx(limit_fractions(
         replace(moved[1], limits=LIMITS)).bandwidth * 20.0 / 45.5)
+
+
+def test_table_heading_names_the_runs_prompt_and_output_lengths() -> None:
+    assert "## Output tokens/s, 128 prompt + 128 output tokens, greedy" in format_report([_row(SPINDLE, 100.0)])
+    long = [replace(_row(SPINDLE, 5.5, prompt_len=1900), output_len=16),
+            replace(_row("llama-cpp", 4.0, prompt_len=1900), output_len=16)]
+    assert "## Output tokens/s, 1900 prompt + 16 output tokens, greedy" in format_report(long)
