@@ -96,14 +96,16 @@ def test_kernel_matches_dense_reference(dtype, heads, kv_heads, head_dim, block_
     _check_against_reference(dtype, heads, kv_heads, head_dim, block_size, window, softcap, ROWS, head_major)
 
 
-@pytest.mark.parametrize(("rows", "threads"), [(ROWS, 1), (ROWS[5:7], 2)])
-def test_items_over_all_kv_heads_and_one_kv_head_each(rows, threads) -> None:
+@pytest.mark.parametrize(("rows", "threads", "block_size"),
+                         [(ROWS, 1, 8), (ROWS[5:7], 2, 8), ([(300, 40), (64, 1)], 2, 16)])
+def test_items_over_all_kv_heads_and_one_kv_head_each(rows, threads, block_size) -> None:
     """With 4+ items per thread an item spans every KV head (blocks read front to back); with fewer,
-    each KV head is a piece of work of its own, so one long row still spreads over the threads."""
+    each KV head is a piece of work of its own, so one long row still spreads over the threads
+    (the last case: prefill tiles of one KV head each)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        _check_against_reference(torch.float32, 8, 4, 32, 8, None, None, rows, head_major=True)
+        _check_against_reference(torch.float32, 8, 4, 32, block_size, None, None, rows, head_major=True)
     finally:
         torch.set_num_threads(previous)
 
