@@ -466,7 +466,7 @@ class ItemKernel {
   // accumulator are one register holding a slab: no horizontal sums, no per-query passes over a
   // key, each key element broadcast once for the whole slab. Why: `accumulate` takes one query
   // token at a time and reduces every dot product across lanes; on the chunks of a long prompt
-  // it ran at 83-95 GFLOP/s, these at 133-159 (medium shapes, 2 threads, AVX-512; `python -m
+  // it ran at 73-96 GFLOP/s, these at 130-165 (medium shapes, 2 threads, AVX-512; `python -m
   // benchmarks.attention_bench --prefill-contexts`). Lanes that do not see a key (causal or
   // sliding-window bound, or padding past the tile) take -inf scores and weigh 0; a key row no
   // lane sees is never read (it may not be written yet). The same online softmax and

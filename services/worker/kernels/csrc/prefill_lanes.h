@@ -1,6 +1,7 @@
 // The vector operations of paged attention's prefill tiles (paged_attention.cpp, `run_tiles`),
 // over one register of query vectors: 16 on AVX-512 (masks in mask registers), 8 on AVX2
-// (masks as all-ones lanes), so a CPU with either runs the same tile code.
+// (masks as all-ones lanes), so a CPU with either runs the same tile code. The arithmetic comes
+// from vec_math.h's Ops8 / Ops16; these add the exponential and the masks.
 #pragma once
 
 #include <immintrin.h>
@@ -13,19 +14,9 @@ namespace spindle {
 
 #ifdef __AVX2__
 // 8 query vectors a register (AVX2 with FMA).
-struct Lanes8 {
+struct Lanes8 : Ops8 {
   static constexpr int64_t N = 8;
-  using V = __m256;
   using M = __m256;  // the lanes it selects have every bit set
-  static V load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
-  static V set1(float x) { return _mm256_set1_ps(x); }
-  static V zero() { return _mm256_setzero_ps(); }
-  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  static V add(V a, V b) { return _mm256_add_ps(a, b); }
-  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
-  static V max(V a, V b) { return _mm256_max_ps(a, b); }
   static V exp(V x) { return exp_nonpositive(x); }
   // Lanes whose query sees key position `key`: low[lane] <= key <= pos[lane].
   static M sees(const int32_t* pos, const int32_t* low, int32_t key) {
@@ -43,20 +34,10 @@ struct Lanes8 {
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
-// 16 query vectors a register (AVX-512).
-struct Lanes16 {
+// 16 query vectors a register (AVX-512), masks in mask registers.
+struct Lanes16 : Ops16 {
   static constexpr int64_t N = 16;
-  using V = __m512;
   using M = __mmask16;
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-  static V set1(float x) { return _mm512_set1_ps(x); }
-  static V zero() { return _mm512_setzero_ps(); }
-  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  static V add(V a, V b) { return _mm512_add_ps(a, b); }
-  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
-  static V max(V a, V b) { return _mm512_max_ps(a, b); }
   static V exp(V x) { return exp_nonpositive(x); }
   static M sees(const int32_t* pos, const int32_t* low, int32_t key) {
     const __m512i k = _mm512_set1_epi32(key);

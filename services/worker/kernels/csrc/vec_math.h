@@ -96,26 +96,64 @@ inline float exp_nonpositive(float x) {
 }
 
 #ifdef __AVX2__
-// exp_nonpositive on 8 lanes: the same range reduction and polynomial, so both paths agree.
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-  for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
+// The arithmetic of one fp32 register, per width, for code written once for both (the vector
+// exponential below; paged attention's prefill tiles, prefill_lanes.h).
+struct Ops8 {
+  using V = __m256;
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V zero() { return _mm256_setzero_ps(); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+  static V floor(V x) { return _mm256_floor_ps(x); }
+  // 2^n for integral n in fp32's exponent range.
+  static V pow2(V n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
+};
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
-// exp_nonpositive on 16 lanes, as two halves of 8 (paged attention's prefill tiles, which keep
-// 16 query vectors' scores in one register).
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m256 lo = exp_nonpositive(_mm512_castps512_ps256(x)), hi = exp_nonpositive(_mm512_extractf32x8_ps(x, 1));
-  return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+struct Ops16 {
+  using V = __m512;
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V zero() { return _mm512_setzero_ps(); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+  static V floor(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  static V pow2(V n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
+};
+#endif
+
+// exp_nonpositive on a register of lanes: the same range reduction and polynomial as the
+// scalar form, so every path agrees.
+template <typename O>
+inline typename O::V exp_nonpositive_lanes(typename O::V x) {
+  x = O::max(x, O::set1(-87.0f));
+  const typename O::V n = O::floor(O::fmadd(x, O::set1(1.44269504088896341f), O::set1(0.5f)));
+  typename O::V r = O::fnmadd(n, O::set1(0.693145751953125f), x);
+  r = O::fnmadd(n, O::set1(1.428606765330187045e-06f), r);
+  typename O::V p = O::set1(1.0f / 5040.0f);
+  for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
+    p = O::fmadd(p, r, O::set1(c));
+  return O::mul(p, O::pow2(n));
 }
+
+inline __m256 exp_nonpositive(__m256 x) { return exp_nonpositive_lanes<Ops8>(x); }
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+inline __m512 exp_nonpositive(__m512 x) { return exp_nonpositive_lanes<Ops16>(x); }
 #endif
 
 // The largest of a vector's 8 lanes.
