@@ -212,6 +212,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="comma list: also time one long prompt's prefill chunk at these contexts, e.g. 2048,4096")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="query tokens of that chunk (the token budget)")
     a = p.parse_args(argv)
+    prefill_contexts = [int(c) for c in a.prefill_contexts.split(",") if c]
+    if a.prefill_chunk < 1 or any(c < 1 for c in prefill_contexts):
+        p.error(f"--prefill-chunk {a.prefill_chunk} and --prefill-contexts {a.prefill_contexts} must be >= 1")
     torch.set_num_threads(a.threads)
     model = load_model(ensure_model(a.model), create_backend("sdpa", BLOCK_SIZE), torch.float32,
                        torch.device("cpu"))
@@ -231,9 +234,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         for name, (att, step) in r.items():
             out.write(f"| {label} | {name} | {att:.2f} | {att_s / att:.2f}x | {step:.1f} | {step_s / step:.2f}x |\n")
         out.flush()
-    if a.prefill_contexts:  # the paged backend only: sdpa's padded layout makes a row of every query token
+    if prefill_contexts:  # the paged backend only: sdpa's padded layout makes a row of every query token
         paged = {name: b for name, b in backends.items() if name != "sdpa"}
-        write_prefill_table(model, paged, [int(c) for c in a.prefill_contexts.split(",")], a.prefill_chunk, a.repeats)
+        write_prefill_table(model, paged, prefill_contexts, a.prefill_chunk, a.repeats)
 
 
 if __name__ == "__main__":

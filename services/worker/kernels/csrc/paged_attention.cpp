@@ -219,7 +219,7 @@ class ItemKernel {
     const int64_t lo = key_lo(first_pos + q_begin), hi = last_pos + 1;  // keys any query here sees
     const int64_t* table = block_tables_ + row * s_.bt_stride;
 #ifdef SPINDLE_PREFILL_TILES
-    if (nq * G >= kMinTileVectors && BS == kTileKeys && D % 8 == 0 && s_.softcap == 0.0f && !prefill_tiles_disabled()) {
+    if (nq > 1 && nq * G >= kMinTileVectors && BS == kTileKeys && D % 8 == 0 && s_.softcap == 0.0f && !prefill_tiles_disabled()) {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
       if (!avx2_tiles_forced()) {
         run_tiles<Lanes16>(table, lo, hi, first_pos + q_begin, nq, heads, G, kh_begin, kh_end);
@@ -567,7 +567,9 @@ class ItemKernel {
   }
 
   static constexpr int64_t kTileKeys = 16;      // keys per block on this path (block_size 16)
-  static constexpr int64_t kMinTileVectors = 8;  // fewer query vectors (decode, short chunks): `accumulate`
+  // Fewer query vectors, or one query token (decode, however many heads share a KV head: its
+  // walk over head-blocks is tuned for memory), take `accumulate`.
+  static constexpr int64_t kMinTileVectors = 8;
   std::vector<float> qt_, ot_, mx_, sm_;  // per slab: queries and accumulator [D][N], max and sum [N]
   std::vector<int32_t> pos_, low_;        // per lane: its position and its first visible key
   alignas(64) float pt_[kTileKeys * 16];  // a block's scores, then weights: [16 keys][N <= 16 lanes]
