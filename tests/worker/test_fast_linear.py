@@ -89,11 +89,12 @@ def test_one_bf16_row_is_within_a_rounding_on_either_path(pairs: bool) -> None:
 
 
 def test_one_row_pairs_only_for_weights_that_fit_in_half_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.worker.kernels.build import cpu_has_native_bf16
+    from services.worker.kernels.build import kernel_instruction_sets
 
     monkeypatch.setattr(fast_linear, "last_level_cache_bytes", lambda: 32 << 20)
     try:
-        assert fast_linear.set_one_row_pairs(10 << 20) == cpu_has_native_bf16(), "fits: on where the CPU has bf16 math"
+        assert fast_linear.set_one_row_pairs(10 << 20) == ("avx512_bf16" in kernel_instruction_sets()), \
+            "fits: on where the build has bf16 math"
         assert not fast_linear.set_one_row_pairs(17 << 20), "past half the cache: widened"
         monkeypatch.setattr(fast_linear, "last_level_cache_bytes", lambda: 0)
         assert not fast_linear.set_one_row_pairs(1 << 20), "cache size unknown: widened"

@@ -8,7 +8,9 @@ in a cache folder keyed by the sources, the flags, the torch version and the CPU
 flags: a different CPU misses the cache and gets its own build, never a foreign binary.
 
 `make install` builds once (`python -m services.worker.kernels.build`); a worker that finds no
-build for its CPU compiles one at start-up (about a minute on 2 cores). The compiler runs in a
+build for its CPU compiles one at start-up (about a minute on 2 cores). Where there is no
+compiler (the container image), it loads a build for its CPU's family instead, made where the
+image was built (targets.py). The compiler runs in a
 subprocess with a timeout under an exclusive file lock (released by the OS if the holder dies,
 so a killed build never blocks the next), the library is renamed into place atomically, and
 any failure is reported as a reason string: callers fall back to the pure-torch backends.
@@ -36,6 +38,15 @@ from pathlib import Path
 
 import torch
 
+from services.worker.kernels.targets import (
+    AUTO,
+    NATIVE,
+    TARGETS,
+    KernelTarget,
+    family_targets_for,
+    requested_target,
+    target_named,
+)
 from shared.switches import switch_on
 
 logger = logging.getLogger(__name__)
@@ -43,14 +54,13 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in (
     "paged_attention.cpp", "linear_small_m.cpp", "fused_ops.cpp", "argmax.cpp", "encoder_attention.cpp",
-    "decoder_stack.cpp", "work_pool.cpp", "linear_mid_m.cpp"))
+    "decoder_stack.cpp", "work_pool.cpp", "linear_mid_m.cpp", "build_info.cpp"))
 # Not compiled on their own, but part of a build's key.
 HEADERS = (_CSRC / "fused_ops.h", _CSRC / "vec_math.h", _CSRC / "kernel_ops.h", _CSRC / "work_pool.h",
            _CSRC / "linear_mid_m.h", _CSRC / "env_flag.h", _CSRC / "linear_out.h", _CSRC / "prefill_lanes.h")
 # 256-bit vectors even where -march=native's tuning prefers 128 (AMD Zen 1/2): the kernels keep
 # 4 heads x 16 fp32 accumulators in registers, which 128-bit vectors spill (measured: -25 % time).
-CXX_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp", "-std=c++20", "-fPIC", "-shared",
-             "-DNDEBUG")
+CXX_FLAGS = ("-O3", "-mprefer-vector-width=256", "-fopenmp", "-std=c++20", "-fPIC", "-shared", "-DNDEBUG")
 BUILD_TIMEOUT_S = 600.0
 CACHE_ENV = "SPINDLE_KERNEL_CACHE"  # folder of builds; default ~/.cache/spindle/kernels
 DISABLE_ENV = "SPINDLE_DISABLE_KERNELS"  # set to 1: never build or load (tests of the fallback)
@@ -60,11 +70,16 @@ class KernelBuildError(RuntimeError):
     """The kernels could not be built or loaded here; the message says why."""
 
 
-def cache_root() -> Path:
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
+def _user_cache_root() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "spindle" / "kernels"
+
+
+def cache_root() -> Path:
+    """The folder of builds: $SPINDLE_KERNEL_CACHE (the image's family builds), else the user's cache."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return _user_cache_root()
 
 
 def _cpu_features() -> str:
@@ -89,31 +104,94 @@ def cpu_has_native_bf16() -> bool:
     return not NATIVE_BF16_FLAGS.isdisjoint(_cpu_features().split())
 
 
-def build_key() -> str:
-    """Names one build: sources, flags, torch version and CPU features."""
+def cpu_flags() -> frozenset[str]:
+    """This CPU's instruction-set flags, as /proc/cpuinfo names them."""
+    return frozenset(_cpu_features().split())
+
+
+def compiler() -> str | None:
+    """The C++ compiler to build with ($CXX, else g++ or c++ on PATH), or None where there is none."""
+    cxx = os.environ.get("CXX")
+    if cxx:
+        return shutil.which(cxx)
+    return shutil.which("g++") or shutil.which("c++")
+
+
+def build_key(target: KernelTarget) -> str:
+    """Names one build: sources, flags (the target's among them), torch version and, for a native
+    build, the CPU's features (a family build runs on any CPU of the family, so they stay out)."""
     digest = hashlib.sha256()
     sources = [p.read_bytes() for p in (*SOURCES, *HEADERS)]
-    for part in (*sources, " ".join(CXX_FLAGS).encode(), torch.__version__.encode(), _cpu_features().encode()):
+    flags = " ".join((*target.march_flags, *CXX_FLAGS)).encode()
+    cpu = _cpu_features().encode() if target.is_native else b""
+    for part in (*sources, flags, torch.__version__.encode(), cpu):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:16]
 
 
-def library_path() -> Path:
-    key = build_key()
+def target_library(target: KernelTarget) -> Path:
+    """Where `target`'s build lives in the cache."""
+    key = build_key(target)
     return cache_root() / key / f"spindle_kernels_{key}.so"
 
 
-def _compile_command(output: Path) -> list[str]:
+def chosen_target() -> KernelTarget:
+    """The build this process loads ($SPINDLE_KERNEL_TARGET; targets.py says why there are several).
+
+    auto: native where its build is cached or a compiler can make it, else the best family build in
+    the cache that this CPU runs (the container image ships them). Raises `KernelBuildError` saying
+    why none will do.
+    """
+    try:
+        name = requested_target()
+    except ValueError as exc:
+        raise KernelBuildError(str(exc)) from exc
+    flags = cpu_flags()
+    if name != AUTO:
+        target = target_named(name)
+        if not target.is_native and not target.runs_on(flags):
+            missing = " ".join(sorted(target.needs - flags)) or f"an {target.machine} CPU"
+            raise KernelBuildError(f"this CPU cannot run kernels built for {name} (it lacks {missing})")
+        return target
+    if target_library(NATIVE).is_file() or compiler() is not None:
+        return NATIVE
+    runnable = family_targets_for(flags)
+    for target in runnable:
+        if target_library(target).is_file():
+            return target
+    names = ", ".join(t.name for t in runnable) or "none for this CPU"
+    raise KernelBuildError(f"no C++ compiler to build this CPU's kernels, and no prebuilt build it can run "
+                           f"({names}) in {cache_root()}")
+
+
+def library_path() -> Path:
+    """The build this process loads (chosen_target's)."""
+    return target_library(chosen_target())
+
+
+def calibration_dir() -> Path:
+    """Where what was measured with the loaded build on this CPU is kept (the linear kernels'
+    calibration): beside a native build, whose key holds the CPU already; for a family build, which
+    CPUs of the family share (read-only in the image), in the user's cache under the build and CPU."""
+    target = chosen_target()
+    if target.is_native:
+        return target_library(target).parent
+    cpu = hashlib.sha256(_cpu_features().encode()).hexdigest()[:12]
+    return _user_cache_root() / "calibration" / f"{build_key(target)}-{cpu}"
+
+
+def _compile_command(target: KernelTarget, output: Path) -> list[str]:
     from torch.utils import cpp_extension
 
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    cxx = compiler()
     if cxx is None:
         raise KernelBuildError("no C++ compiler (g++) on PATH")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     lib_dirs = cpp_extension.library_paths()
     return [
         cxx,
+        *target.march_flags,
         *CXX_FLAGS,
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *[f"-I{p}" for p in cpp_extension.include_paths()],
@@ -127,12 +205,12 @@ def _compile_command(output: Path) -> list[str]:
     ]
 
 
-def build(target: Path) -> None:
-    """Compile into `target` (atomically: a reader never sees a half-written library)."""
+def build(kernel_target: KernelTarget, target: Path) -> None:
+    """Compile `kernel_target`'s build into `target` (atomically: a reader never sees a half-written library)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = _compile_command(out)
+        cmd = _compile_command(kernel_target, out)
         start = time.monotonic()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
@@ -145,17 +223,17 @@ def build(target: Path) -> None:
     logger.info("built %s in %.1f s", target, time.monotonic() - start)
 
 
-def ensure_built() -> Path:
-    """Path of this CPU's build, compiling it first when missing (one builder at a time)."""
-    target = library_path()
+def ensure_built(kernel_target: KernelTarget) -> Path:
+    """Path of `kernel_target`'s build, compiling it first when missing (one builder at a time)."""
+    target = target_library(kernel_target)
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same key
         if not target.is_file():
-            logger.info("compiling CPU kernels for this CPU into %s", target.parent)
-            build(target)
+            logger.info("compiling CPU kernels for %s into %s", kernel_target.name, target.parent)
+            build(kernel_target, target)
     return target
 
 
@@ -168,12 +246,23 @@ def load_kernels() -> None:
     if switch_on(DISABLE_ENV):
         raise KernelBuildError(f"disabled by {DISABLE_ENV}")
     try:
-        path = ensure_built()
+        target = chosen_target()
+        path = ensure_built(target)
         torch.ops.load_library(str(path))
     except KernelBuildError:
         raise
     except Exception as exc:  # OSError from the loader, a read-only cache, a missing header ...
         raise KernelBuildError(f"{type(exc).__name__}: {exc}") from exc
+    logger.info("spindle CPU kernels loaded: built for %s, vector instruction sets: %s", target.name,
+                torch.ops.spindle.instruction_sets() or "none (portable loops)")
+
+
+def kernel_instruction_sets() -> frozenset[str]:
+    """The vector instruction sets the loaded build was compiled for, as /proc/cpuinfo names them
+    (avx2, avx512f, avx512_bf16, ...): what the kernels use, which for a build for another -march
+    target is less than the CPU has. Raises `KernelBuildError` when the kernels cannot load."""
+    load_kernels()
+    return frozenset(torch.ops.spindle.instruction_sets().split())
 
 
 def kernels_error() -> str | None:
@@ -188,16 +277,29 @@ def kernels_error() -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """`python -m services.worker.kernels.build`: build (or find) this CPU's kernels; used by `make install`.
 
-    Exits 0 even when the build fails (the worker then falls back to the torch backends), unless
-    --strict; prints one line either way.
+    With --targets, build those targets' kernels instead (the container image builds the family
+    ones, which need not run on the building CPU), without loading them. Exits 0 even when a
+    build fails (the worker then falls back to the torch backends), unless --strict; prints one
+    line a build either way.
     """
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0] if main.__doc__ else None)
     parser.add_argument("--strict", action="store_true", help="exit 1 when the kernels cannot be built")
+    parser.add_argument("--targets", default="", help=f"comma list of {', '.join(TARGETS)} to build, not load")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.targets:
+        failed = False
+        for name in args.targets.split(","):
+            try:
+                print(f"spindle CPU kernels for {name}: {ensure_built(target_named(name.strip()))}")
+            except (KernelBuildError, ValueError) as exc:
+                print(f"spindle CPU kernels for {name} failed: {exc}")
+                failed = True
+        return 1 if failed and args.strict else 0
     error = kernels_error()
     if error is None:
-        print(f"spindle CPU kernels ready: {library_path()}")
+        sets = " ".join(sorted(kernel_instruction_sets())) or "no vector instruction sets"
+        print(f"spindle CPU kernels ready ({chosen_target().name}: {sets}): {library_path()}")
         return 0
     print(f"spindle CPU kernels unavailable ({error}); workers will use the sdpa backend")
     return 1 if args.strict else 0

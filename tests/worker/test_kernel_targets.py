@@ -1,0 +1,134 @@
+"""Kernel builds for other instruction sets than this CPU's (kernels/targets.py).
+
+- which family builds a CPU runs, best first; names and CPUs are checked with a clear reason;
+- a family build's cache key leaves the building CPU out (the image builds them on any CPU);
+- with no compiler, `auto` loads the best family build in the cache (the container image);
+- the worker's kernel tests pass on an AVX2-only build (the code an AMD Zen 3 runs) and on the
+  portable loops (what an Arm build takes), each in a fresh interpreter: -march=native on an
+  AVX-512 host never compiles those paths, and CI's CPU changes between runs.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.worker.kernels import build
+from services.worker.kernels.targets import NATIVE, TARGET_ENV, family_targets_for, target_named
+
+REPO = Path(__file__).resolve().parents[2]
+ZEN3 = frozenset({"fpu", "sse2", "cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3", "avx", "avx2", "bmi1",
+                  "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
+ZEN4 = ZEN3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16"}
+
+
+def test_a_cpu_runs_the_family_builds_its_instructions_allow_best_first() -> None:
+    def names(flags: frozenset[str], machine: str = "x86_64") -> list[str]:
+        return [t.name for t in family_targets_for(flags, machine)]
+
+    assert names(ZEN4) == ["x86-64-v4-bf16", "x86-64-v4", "x86-64-v3", "x86-64"]
+    assert names(ZEN4 - {"avx512_bf16"}) == ["x86-64-v4", "x86-64-v3", "x86-64"]  # Skylake-SP, Ice Lake
+    assert names(ZEN3) == ["x86-64-v3", "x86-64"]
+    assert names(ZEN3 - {"fma"}) == ["x86-64"]
+    assert names(frozenset({"fp", "asimd", "bf16"}), "aarch64") == []  # Arm builds natively
+
+
+def test_unknown_targets_and_builds_this_cpu_cannot_run_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(TARGET_ENV, "x86-64-v9")
+    with pytest.raises(build.KernelBuildError, match="unknown kernel target 'x86-64-v9'; expected auto or one of"):
+        build.chosen_target()
+    monkeypatch.setenv(TARGET_ENV, "x86-64-v3")
+    monkeypatch.setattr(build, "_cpu_features", lambda: "fpu sse2 avx")
+    if platform.machine() == "x86_64":
+        with pytest.raises(build.KernelBuildError, match="cannot run kernels built for x86-64-v3 .*avx2"):
+            build.chosen_target()
+    monkeypatch.setenv(TARGET_ENV, "native")
+    assert build.chosen_target() is NATIVE
+
+
+def test_only_a_native_build_is_keyed_by_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = {}
+    for cpu in ("avx2 fma", "avx2 fma avx512f"):
+        monkeypatch.setattr(build, "_cpu_features", lambda cpu=cpu: cpu)
+        keys[cpu] = (build.build_key(NATIVE), build.build_key(target_named("x86-64-v3")))
+    (native_a, family_a), (native_b, family_b) = keys.values()
+    assert native_a != native_b and family_a == family_b
+    assert family_a != build.build_key(target_named("x86-64"))
+
+
+def test_a_family_build_is_calibrated_per_cpu_in_the_users_cache(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    """The image's builds lie read-only and serve every CPU of a family; timings are one CPU's."""
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "image"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv(TARGET_ENV, "native")
+    assert build.calibration_dir() == build.library_path().parent
+    monkeypatch.setenv(TARGET_ENV, "x86-64")
+    dirs = set()
+    for cpu in ("sse2 avx2", "sse2 avx2 avx512f"):
+        monkeypatch.setattr(build, "_cpu_features", lambda cpu=cpu: cpu)
+        dirs.add(build.calibration_dir())
+    assert len(dirs) == 2 and all(d.is_relative_to(tmp_path / "home") for d in dirs)
+
+
+def _runnable(name: str) -> bool:
+    return target_named(name).runs_on(build.cpu_flags())
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=900)
+
+
+LOADED = ("from services.worker.kernels.build import chosen_target, kernel_instruction_sets as sets; "
+          "print(chosen_target().name, ' '.join(sorted(sets())))")
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or not _runnable("x86-64-v3"), reason="needs g++ and an AVX2 x86 CPU")
+def test_without_a_compiler_auto_loads_the_best_family_build_in_the_cache(tmp_path: Path) -> None:
+    """The container image: no compiler, the family builds made when the image was built."""
+    v3 = build.ensure_built(target_named("x86-64-v3"))
+    shutil.copytree(v3.parent, tmp_path / v3.parent.name)
+    got = _python(LOADED, CXX="/nonexistent/g++", SPINDLE_KERNEL_CACHE=str(tmp_path), **{TARGET_ENV: "auto"})
+    assert got.returncode == 0, got.stderr[-2000:]
+    name, *sets = got.stdout.split()
+    assert name == "x86-64-v3" and "avx2" in sets and "avx512f" not in sets
+    empty = _python(LOADED, CXX="/nonexistent/g++", SPINDLE_KERNEL_CACHE=str(tmp_path / "empty"))
+    assert empty.returncode != 0
+    assert "no C++ compiler to build this CPU's kernels, and no prebuilt build" in empty.stderr
+
+
+# (target, an instruction set its build must have or None, one it must not)
+# and which tests: all of tests/worker for AVX2 (CPUs seen here run it); for the portable loops, the
+# kernels' own tests (each against its reference), which keeps CI's added time to ~4 minutes.
+KERNEL_TESTS = ("test_paged_attention.py", "test_fast_linear.py", "test_fused_ops.py", "test_argmax_kernel.py",
+                "test_native_stack.py", "test_packed_encoder.py", "test_work_pool.py")
+FAMILY_RUNS = [("x86-64-v3", "avx2", "avx512f", ()), ("x86-64", None, "avx2", KERNEL_TESTS)]
+
+
+@pytest.mark.parametrize(("target", "has", "lacks", "files"), FAMILY_RUNS)
+def test_worker_kernel_tests_pass_on_a_family_build(target: str, has: str | None, lacks: str,
+                                                    files: tuple[str, ...]) -> None:
+    """tests/worker (or `files` of it) in a fresh interpreter with the kernels built for `target`:
+    every kernel against its reference, and (all of tests/worker) the models' greedy tokens against
+    transformers, on that build's code paths."""
+    if shutil.which("g++") is None or not _runnable(target):
+        pytest.skip(f"needs g++ and a CPU that runs {target}")
+    if target == "x86-64-v3" and "avx512f" not in build.cpu_flags():
+        pytest.skip("an AVX2-only CPU: its native build is this one, tested by the suite itself")
+    loaded = _python(LOADED, **{TARGET_ENV: target})
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    name, *sets = loaded.stdout.split()
+    assert name == target and (has is None or has in sets) and lacks not in sets
+    paths = [f"tests/worker/{name}" for name in files] or ["tests/worker"]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths,
+                          f"--ignore={Path(__file__).relative_to(REPO)}"], cwd=REPO,
+                         env={**os.environ, TARGET_ENV: target}, capture_output=True, text=True, timeout=1800)
+    assert run.returncode == 0, run.stdout[-4000:]
+    assert " passed" in run.stdout and " failed" not in run.stdout
