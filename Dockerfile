@@ -17,8 +17,9 @@ ARG CUDA_BASE=nvidia/cuda:12.8.1-base-ubuntu24.04
 FROM python:3.11-slim-bookworm AS python
 
 # ---------------------------------------------------------------------------------------
-# build: generate the gRPC code and install spindle with its dependencies into a venv.
-# Every dependency ships wheels, so no compiler is needed even here.
+# build: generate the gRPC code and install spindle with its dependencies into a venv, and (CPU
+# variant) build the worker's CPU kernels. Every dependency ships wheels; the one compiler here
+# is for the kernels, and it stays in this stage.
 FROM python AS build
 ARG VARIANT
 ARG TORCH_CUDA
@@ -48,6 +49,20 @@ RUN python -m venv /opt/spindle \
         "$(grep -o '"torch==[0-9.]*' pyproject.toml | tr -d '"')" \
     && /opt/spindle/bin/pip install --no-cache-dir . \
     && /opt/spindle/bin/spindle --help > /dev/null
+
+# The worker's CPU kernels (services/worker/kernels). The final image has no compiler, so a
+# worker there cannot build them for its own CPU (-march=native): they are built here for each
+# x86 family (kernels/targets.py; any building CPU will do), and a worker loads the best one its
+# CPU runs from SPINDLE_KERNEL_CACHE. Without them every op ran on torch's fallbacks. g++ is
+# Debian's, unpinned as the runtime packages below are (DL3008).
+# hadolint ignore=DL3008
+RUN if [ "$VARIANT" = cpu ] && [ "$(uname -m)" = x86_64 ]; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends g++ \
+        && rm -rf /var/lib/apt/lists/* \
+        && SPINDLE_KERNEL_CACHE=/opt/spindle/kernels /opt/spindle/bin/python -m services.worker.kernels.build \
+            --strict --targets x86-64-v4-bf16,x86-64-v4,x86-64-v3,x86-64; \
+    fi
 
 # ---------------------------------------------------------------------------------------
 # Runtime bases: the slim Python image for CPU, an NVIDIA CUDA base for GPU workers.
@@ -89,6 +104,7 @@ RUN groupadd --system --gid 10001 spindle \
 
 COPY --from=build /opt/spindle /opt/spindle
 ENV PATH=/opt/spindle/bin:$PATH \
+    SPINDLE_KERNEL_CACHE=/opt/spindle/kernels \
     HOME=/tmp \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1

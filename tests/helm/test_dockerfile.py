@@ -63,13 +63,29 @@ def test_image_runs_spindle_as_the_chart_user() -> None:
 
 
 def test_final_stages_install_no_compiler() -> None:
-    # Every dependency ships wheels, so not even the build stage needs one; the stages the
-    # image is made of must not have one.
+    # The image's stages must not have one; the build stage's g++ builds the CPU kernels and stays there.
     for stage in stages():
         name = stage[0][1].rsplit(" AS ", 1)[-1]
+        if name == "build":
+            continue
         for keyword, rest in stage:
             found = set(re.findall(r"[\w+.-]+", rest)) & set(COMPILERS) if keyword == "RUN" else set()
             assert not found, f"stage {name} installs {found}"
+
+
+def test_the_image_ships_a_kernel_build_for_every_x86_family() -> None:
+    """With no compiler in the image, a worker loads a family build (kernels/targets.py) from the
+    folder the final stage names: the build stage must make every family's, into that folder."""
+    from services.worker.kernels.build import CACHE_ENV
+    from services.worker.kernels.targets import FAMILY_TARGETS
+
+    cache = final_image().env[CACHE_ENV]
+    build_stage = next(s for s in stages() if s[0][1].endswith(" AS build"))
+    runs = [rest for keyword, rest in build_stage if keyword == "RUN" and "services.worker.kernels.build" in rest]
+    assert len(runs) == 1, "one RUN builds the kernels"
+    targets = re.search(r"--targets ([\w.,-]+)", runs[0])
+    assert targets and targets.group(1).split(",") == [t.name for t in FAMILY_TARGETS]
+    assert f"{CACHE_ENV}={cache} " in runs[0] and "--strict" in runs[0], "a failed build must fail the image"
 
 
 def _build_context_copies() -> set[str]:
@@ -113,3 +129,15 @@ def test_build_copies_every_package_pyproject_installs() -> None:
     copied = _build_context_copies()
     assert packages and packages <= copied, f"not copied into the build: {packages - copied}"
     assert {"pyproject.toml", project["project"]["readme"]} <= copied
+
+
+def test_the_installed_package_carries_every_kernel_source() -> None:
+    # The image builds the kernels from the installed package (`pip install .`, not editable):
+    # a header left out of package-data failed only there.
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    patterns = project["tool"]["setuptools"]["package-data"]["services.worker.kernels"]
+    csrc = REPO / "services" / "worker" / "kernels" / "csrc"
+    files = sorted(p.relative_to(csrc.parent).as_posix() for p in csrc.iterdir() if p.is_file())
+    assert files
+    for path in files:
+        assert any(fnmatch.fnmatch(path, pattern) for pattern in patterns), f"{path} is not in package-data"
