@@ -13,6 +13,7 @@ import os
 import sys
 
 from services.cpu_affinity import add_cpu_cores_argument
+from services.cpu_quota import cgroup_cpu_limit, threads_for_quota
 from services.worker.config import DEFAULT_LISTEN, ENCODER_MATMULS, KV_CACHE_DTYPES, WEIGHT_DTYPES, WorkerConfig
 from services.worker.openmp_wait import configure_openmp_wait
 from shared.service_flags import (
@@ -29,6 +30,11 @@ def _env(name: str, default: str) -> str:
 
 def _optional_int(value: str) -> int | None:
     return int(value) if value else None
+
+
+def quota_threads() -> int | None:
+    """Torch threads for a process told none: capped by its container's CPU quota, else torch's own count."""
+    return threads_for_quota(len(os.sched_getaffinity(0)), cgroup_cpu_limit())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,7 +129,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-threads",
         type=_optional_int,
         default=_optional_int(_env("NUM_THREADS", "")),
-        help="torch CPU threads [SPINDLE_NUM_THREADS]",
+        help="torch CPU threads (default: one per core it may use, no more than its container's CPU limit) "
+        "[SPINDLE_NUM_THREADS]",
     )
     parser.add_argument("--fault-fail-round", type=int, default=int(_env("FAULT_FAIL_ROUND", "0")),
                         help="fault injection for tests: the n-th round this process runs raises; 0: never "
@@ -150,8 +157,9 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
-        # Pinned: one torch thread per core it may use, unless told otherwise.
-        num_threads=args.num_threads or (len(args.cpu_cores) or None),
+        # Pinned: one torch thread per core it may use, unless told otherwise; in a container
+        # with a CPU limit, no more than the limit allows (cpu_quota.py says why).
+        num_threads=args.num_threads or (len(args.cpu_cores) or None) or quota_threads(),
         metrics_port=metrics_port_from_args(args),
         fault_fail_round=args.fault_fail_round,
         internal_tls=internal_tls_from_args(args),

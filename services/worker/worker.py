@@ -161,7 +161,7 @@ class Worker:
         logger.info(
             "worker ready: model=%s task=%s dtype=%s weight_dtype=%s kv_cache_dtype=%s device=%s backend=%s "
             "num_kv_blocks=%d "
-            "(%d tokens) max_model_len=%d",
+            "(%d tokens) max_model_len=%d threads=%d",
             self.info.model_id,
             self.task.name,
             self.info.dtype,
@@ -172,6 +172,7 @@ class Worker:
             self.info.num_kv_blocks,
             self.info.num_kv_blocks * self.info.block_size,
             self.max_model_len,
+            torch.get_num_threads(),
         )
 
     def _info(

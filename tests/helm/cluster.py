@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import math
 import os
 import re
 import shutil
@@ -83,6 +84,11 @@ class Pod:
         if self.log is None or not self.log.exists():
             return ""
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _cpus(quantity: str) -> float:
+    """A Kubernetes CPU quantity in CPUs: "2" -> 2.0, "500m" -> 0.5."""
+    return float(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
 
 
 def _matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
@@ -251,6 +257,19 @@ class LocalCluster:
             raise WiringError(f"{pod.name}: fieldRef {path} is not supported by the wiring test")
         return fields[path]
 
+    @staticmethod
+    def _resource(pod: Pod, ref: dict[str, str]) -> str:
+        """A CPU request or limit over the divisor, rounded up, as the kubelet gives it (a request
+        not set is the limit; a limit not set is the node's CPUs)."""
+        resources = pod.container.get("resources", {})
+        section, _, kind = ref["resource"].partition(".")
+        if kind != "cpu" or section not in ("requests", "limits"):
+            raise WiringError(f"{pod.name}: resourceFieldRef {ref['resource']} is not supported by the wiring test")
+        quantity = resources.get(section, {}).get("cpu") or resources.get("limits", {}).get("cpu")
+        node = float(os.cpu_count() or 1)
+        cpus = _cpus(str(quantity)) if quantity is not None else (node if section == "limits" else 0.0)
+        return str(math.ceil(cpus / _cpus(str(ref.get("divisor", "1")))))
+
     def environment(self, pod: Pod) -> dict[str, str]:
         """The container's environment, resolved as the kubelet resolves it."""
         env = {k: v for k, v in self.image.env.items() if k != "PATH"}
@@ -269,6 +288,8 @@ class LocalCluster:
             ref = item["valueFrom"]
             if "fieldRef" in ref:
                 env[item["name"]] = self._field(pod, ref["fieldRef"]["fieldPath"])
+            elif "resourceFieldRef" in ref:
+                env[item["name"]] = self._resource(pod, ref["resourceFieldRef"])
             elif "configMapKeyRef" in ref or "secretKeyRef" in ref:
                 kind, key = ("configMapKeyRef", "ConfigMap") if "configMapKeyRef" in ref else ("secretKeyRef", "Secret")
                 found = self._objects(key).get(ref[kind]["name"])

@@ -411,3 +411,15 @@ def test_values_schema_is_valid_and_covers_every_value() -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
     jsonschema.Draft202012Validator.check_schema(schema)
     jsonschema.Draft202012Validator(schema).validate(yaml.safe_load((CHART / "values.yaml").read_text()))
+
+
+def test_a_worker_told_no_thread_count_gets_its_cpu_request() -> None:
+    """torch would start a thread per core of the node; the pod's CPU request, rounded up, is what
+    it was given (the worker caps its threads at a CPU limit itself: services/cpu_quota.py)."""
+    worker = main_container(render(), "worker")
+    env = {e["name"]: e for e in worker.get("env", [])}
+    assert env["SPINDLE_NUM_THREADS"]["valueFrom"] == {
+        "resourceFieldRef": {"containerName": worker["name"], "resource": "requests.cpu", "divisor": "1"}}
+    manifests = render(sets=("worker.config.numThreads=4",))
+    assert "SPINDLE_NUM_THREADS" not in {e["name"] for e in main_container(manifests, "worker").get("env", [])}
+    assert config_data(manifests, "worker")["SPINDLE_NUM_THREADS"] == "4"  # as told, not overridden by env
