@@ -51,6 +51,10 @@ async def serve(config: WorkerConfig) -> None:
         raise
     pipeline = RoundPipeline(worker.runner, telemetry, config.fault_fail_round, compute)
     telemetry.metrics.report_step_phases(worker.runner.phases)
+    if worker.device.type == "cpu":
+        from services.worker.kernels.build import loaded_build
+
+        telemetry.metrics.report_cpu_kernels(loaded_build())
     servicer.attach(worker.info, pipeline)
     freeze_startup_heap()
     await service.set_serving([SERVICE_NAME])

@@ -39,8 +39,20 @@ class WorkerMetrics:
                                           buckets=STEP_LATENCY_BUCKETS, registry=r)
         self.encoder_cache_tokens = Gauge("spindle:worker_encoder_cache_tokens",
                                           "Feature tokens of image encoder outputs the worker holds", registry=r)
+        # Which build of the CPU kernels a CPU worker runs (kernels/targets.py): a worker that could
+        # neither build nor find one runs torch's ops, several times slower, and says so only in its
+        # log; here a dashboard or alert sees it (target="none").
+        self.cpu_kernels = Gauge("spindle:worker_cpu_kernels",
+                                 "1 for the CPU kernels' build a CPU worker runs: its target and vector "
+                                 "instruction sets; target none: torch's ops only", ["target", "instruction_sets"],
+                                 registry=r)
         self._step_phases = StepPhaseCollector(StepPhases())  # zeros until a runner reports its own
         r.register(self._step_phases)
+
+    def report_cpu_kernels(self, build: tuple[str, frozenset[str]] | None) -> None:
+        """The CPU kernels' build this worker loaded ((target, instruction sets)), or None for none."""
+        target, sets = build if build is not None else ("none", frozenset())
+        self.cpu_kernels.labels(target=target, instruction_sets=" ".join(sorted(sets))).set(1)
 
     def report_step_phases(self, phases: StepPhases) -> None:
         """Expose these phase totals (the model runner's, step_phases.py) from now on."""

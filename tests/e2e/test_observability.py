@@ -158,6 +158,7 @@ def test_each_request_is_one_connected_trace_and_metrics_count_it(tiny_models: d
     assert _sum(scheduler, "spindle:worker_healthy", worker="0") == 1
     assert _sum(scheduler, "spindle:iteration_tokens_total_count") > 0
     assert _sum(worker, "spindle:worker_ready") == 1
+    assert _sum(worker, "spindle:worker_cpu_kernels", target="native") == 1  # `make install` built them
     assert _sum(worker, "spindle:worker_step_duration_seconds_count") >= MAX_TOKENS
     assert _sum(worker, "spindle:worker_round_duration_seconds_count") > 0
     # Where the steps' time went (step_phases.py): every text-model phase ran, inside the rounds.

@@ -132,3 +132,20 @@ def test_worker_kernel_tests_pass_on_a_family_build(target: str, has: str | None
                          env={**os.environ, TARGET_ENV: target}, capture_output=True, text=True, timeout=1800)
     assert run.returncode == 0, run.stdout[-4000:]
     assert " passed" in run.stdout and " failed" not in run.stdout
+
+
+def test_the_worker_metric_names_the_build_it_runs(cpu_kernels: None) -> None:
+    """spindle:worker_cpu_kernels: the loaded build, or target="none" where a worker runs torch's ops."""
+    from prometheus_client import generate_latest
+
+    from services.worker.telemetry import WorkerMetrics
+
+    target, sets = build.loaded_build() or ("", frozenset())
+    assert target == build.chosen_target().name and sets == build.kernel_instruction_sets()
+    exposed = {}
+    for name, loaded in (("none", None), ("v3", ("x86-64-v3", frozenset({"fma", "avx2"})))):
+        metrics = WorkerMetrics()
+        metrics.report_cpu_kernels(loaded)
+        exposed[name] = generate_latest(metrics.registry).decode()
+    assert 'spindle:worker_cpu_kernels{instruction_sets="",target="none"} 1.0' in exposed["none"]
+    assert 'spindle:worker_cpu_kernels{instruction_sets="avx2 fma",target="x86-64-v3"} 1.0' in exposed["v3"]

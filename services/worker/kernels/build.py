@@ -265,6 +265,13 @@ def kernel_instruction_sets() -> frozenset[str]:
     return frozenset(torch.ops.spindle.instruction_sets().split())
 
 
+def loaded_build() -> tuple[str, frozenset[str]] | None:
+    """(target name, vector instruction sets) of the kernels this process runs, None where they cannot load."""
+    if kernels_error() is not None:
+        return None
+    return chosen_target().name, kernel_instruction_sets()
+
+
 def kernels_error() -> str | None:
     """None when the kernels are loaded, else why they cannot be."""
     try:
