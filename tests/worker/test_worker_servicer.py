@@ -186,6 +186,7 @@ async def test_the_model_loads_on_the_thread_that_runs_rounds(monkeypatch: pytes
         def __init__(self, config: WorkerConfig) -> None:
             threads["load"] = threading.get_ident()
             self.runner, self.info = SimpleNamespace(phases=StepPhases()), None
+            self.device = torch.device("cpu")
 
     pipelines: list[object] = []
 
