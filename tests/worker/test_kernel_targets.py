@@ -67,13 +67,11 @@ def test_a_family_build_is_calibrated_per_cpu_in_the_users_cache(monkeypatch: py
     """The image's builds lie read-only and serve every CPU of a family; timings are one CPU's."""
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "image"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv(TARGET_ENV, "native")
-    assert build.calibration_dir() == build.library_path().parent
-    monkeypatch.setenv(TARGET_ENV, "x86-64")
+    assert build.calibration_dir(NATIVE) == build.target_library(NATIVE).parent
     dirs = set()
     for cpu in ("sse2 avx2", "sse2 avx2 avx512f"):
         monkeypatch.setattr(build, "_cpu_features", lambda cpu=cpu: cpu)
-        dirs.add(build.calibration_dir())
+        dirs.add(build.calibration_dir(target_named("x86-64")))
     assert len(dirs) == 2 and all(d.is_relative_to(tmp_path / "home") for d in dirs)
 
 

@@ -101,7 +101,7 @@ NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (oneDNN's bf16 GEMM ran at ~4.5x its fp32 one on
     an AVX512-BF16 AMD EPYC); without it a bf16 GEMM is emulated or crawls (~1 GFLOP/s on AVX2)."""
-    return not NATIVE_BF16_FLAGS.isdisjoint(_cpu_features().split())
+    return not NATIVE_BF16_FLAGS.isdisjoint(cpu_flags())
 
 
 def cpu_flags() -> frozenset[str]:
@@ -165,16 +165,10 @@ def chosen_target() -> KernelTarget:
                            f"({names}) in {cache_root()}")
 
 
-def library_path() -> Path:
-    """The build this process loads (chosen_target's)."""
-    return target_library(chosen_target())
-
-
-def calibration_dir() -> Path:
-    """Where what was measured with the loaded build on this CPU is kept (the linear kernels'
+def calibration_dir(target: KernelTarget) -> Path:
+    """Where what was measured with `target`'s build on this CPU is kept (the linear kernels'
     calibration): beside a native build, whose key holds the CPU already; for a family build, which
     CPUs of the family share (read-only in the image), in the user's cache under the build and CPU."""
-    target = chosen_target()
     if target.is_native:
         return target_library(target).parent
     cpu = hashlib.sha256(_cpu_features().encode()).hexdigest()[:12]
@@ -238,8 +232,9 @@ def ensure_built(kernel_target: KernelTarget) -> Path:
 
 
 @functools.cache
-def load_kernels() -> None:
-    """Make `torch.ops.spindle.*` available in this process, building first if needed.
+def load_kernels() -> KernelTarget:
+    """Make `torch.ops.spindle.*` available in this process, building first if needed; returns the
+    target whose build it loaded (chosen_target's at the first call: what the process runs after).
 
     Raises `KernelBuildError` (remembered: later calls raise the same without retrying).
     """
@@ -255,6 +250,7 @@ def load_kernels() -> None:
         raise KernelBuildError(f"{type(exc).__name__}: {exc}") from exc
     logger.info("spindle CPU kernels loaded: built for %s, vector instruction sets: %s", target.name,
                 torch.ops.spindle.instruction_sets() or "none (portable loops)")
+    return target
 
 
 def kernel_instruction_sets() -> frozenset[str]:
@@ -267,9 +263,11 @@ def kernel_instruction_sets() -> frozenset[str]:
 
 def loaded_build() -> tuple[str, frozenset[str]] | None:
     """(target name, vector instruction sets) of the kernels this process runs, None where they cannot load."""
-    if kernels_error() is not None:
+    try:
+        target = load_kernels()
+    except KernelBuildError:
         return None
-    return chosen_target().name, kernel_instruction_sets()
+    return target.name, kernel_instruction_sets()
 
 
 def kernels_error() -> str | None:
@@ -303,13 +301,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"spindle CPU kernels for {name} failed: {exc}")
                 failed = True
         return 1 if failed and args.strict else 0
-    error = kernels_error()
-    if error is None:
-        sets = " ".join(sorted(kernel_instruction_sets())) or "no vector instruction sets"
-        print(f"spindle CPU kernels ready ({chosen_target().name}: {sets}): {library_path()}")
-        return 0
-    print(f"spindle CPU kernels unavailable ({error}); workers will use the sdpa backend")
-    return 1 if args.strict else 0
+    try:
+        target = load_kernels()
+    except KernelBuildError as exc:
+        print(f"spindle CPU kernels unavailable ({exc}); workers will use the sdpa backend")
+        return 1 if args.strict else 0
+    sets = " ".join(sorted(kernel_instruction_sets())) or "no vector instruction sets"
+    print(f"spindle CPU kernels ready ({target.name}: {sets}): {target_library(target)}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -281,9 +281,9 @@ def prepack(layers: list[FastLinear], dtype: torch.dtype = torch.float32) -> int
 
 def calibration_path() -> Path:
     """Where this kernel build's calibration on this CPU is kept (kernels/build.py, calibration_dir)."""
-    from services.worker.kernels.build import calibration_dir
+    from services.worker.kernels.build import calibration_dir, load_kernels
 
-    return calibration_dir() / calibration_cache.FILE_NAME
+    return calibration_dir(load_kernels()) / calibration_cache.FILE_NAME
 
 
 def last_level_cache_bytes() -> int:
