@@ -2,7 +2,8 @@
 
 - which family builds a CPU runs, best first; names and CPUs are checked with a clear reason;
 - a family build's cache key leaves the building CPU out (the image builds them on any CPU);
-- with no compiler, `auto` loads the best family build in the cache (the container image);
+- with no compiler, `auto` loads the best family build in the cache (the container image), and
+  one stands in where the native build fails;
 - the worker's kernel tests pass on an AVX2-only build (the code an AMD Zen 3 runs) and on the
   portable loops (what an Arm build takes), each in a fresh interpreter: -march=native on an
   AVX-512 host never compiles those paths, and CI's CPU changes between runs.
@@ -42,14 +43,14 @@ def test_a_cpu_runs_the_family_builds_its_instructions_allow_best_first() -> Non
 def test_unknown_targets_and_builds_this_cpu_cannot_run_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(TARGET_ENV, "x86-64-v9")
     with pytest.raises(build.KernelBuildError, match="unknown kernel target 'x86-64-v9'; expected auto or one of"):
-        build.chosen_target()
+        build.candidate_targets()
     monkeypatch.setenv(TARGET_ENV, "x86-64-v3")
     monkeypatch.setattr(build, "_cpu_features", lambda: "fpu sse2 avx")
     if platform.machine() == "x86_64":
         with pytest.raises(build.KernelBuildError, match="cannot run kernels built for x86-64-v3 .*avx2"):
-            build.chosen_target()
+            build.candidate_targets()
     monkeypatch.setenv(TARGET_ENV, "native")
-    assert build.chosen_target() is NATIVE
+    assert build.candidate_targets() == [NATIVE]
 
 
 def test_only_a_native_build_is_keyed_by_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -84,8 +85,8 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=900)
 
 
-LOADED = ("from services.worker.kernels.build import chosen_target, kernel_instruction_sets as sets; "
-          "print(chosen_target().name, ' '.join(sorted(sets())))")
+LOADED = ("from services.worker.kernels.build import load_kernels, kernel_instruction_sets as sets; "
+          "print(load_kernels().name, ' '.join(sorted(sets())))")
 
 
 @pytest.mark.skipif(shutil.which("g++") is None or not _runnable("x86-64-v3"), reason="needs g++ and an AVX2 x86 CPU")
@@ -100,6 +101,25 @@ def test_without_a_compiler_auto_loads_the_best_family_build_in_the_cache(tmp_pa
     empty = _python(LOADED, CXX="/nonexistent/g++", SPINDLE_KERNEL_CACHE=str(tmp_path / "empty"))
     assert empty.returncode != 0
     assert "no C++ compiler to build this CPU's kernels, and no prebuilt build" in empty.stderr
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or not _runnable("x86-64-v3"), reason="needs g++ and an AVX2 x86 CPU")
+def test_auto_falls_back_to_a_family_build_when_the_native_build_fails(tmp_path: Path) -> None:
+    """A compiler that fails (too old for the CPU, a broken toolchain): a cached family build stands
+    in, with a warning that says why; with none cached, the error names the native failure."""
+    v3 = build.ensure_built(target_named("x86-64-v3"))
+    shutil.copytree(v3.parent, tmp_path / v3.parent.name)
+    broken = tmp_path / "g++"
+    broken.write_text("#!/bin/sh\necho 'cc1plus: error: bad value for -march' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    code = "import logging; logging.basicConfig(level=logging.WARNING); " + LOADED
+    got = _python(code, CXX=str(broken), SPINDLE_KERNEL_CACHE=str(tmp_path), **{TARGET_ENV: "auto"})
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert got.stdout.split()[0] == "x86-64-v3"
+    assert "the native build failed: compiler exited 1: cc1plus: error: bad value for -march" in got.stderr
+    assert "loaded the x86-64-v3 build instead" in got.stderr
+    alone = _python(LOADED, CXX=str(broken), SPINDLE_KERNEL_CACHE=str(tmp_path / "empty"), **{TARGET_ENV: "auto"})
+    assert alone.returncode != 0 and "the native build failed: compiler exited 1" in alone.stderr
 
 
 # (target, an instruction set its build must have or None, one it must not)
@@ -139,7 +159,7 @@ def test_the_worker_metric_names_the_build_it_runs(cpu_kernels: None) -> None:
     from services.worker.telemetry import WorkerMetrics
 
     target, sets = build.loaded_build() or ("", frozenset())
-    assert target == build.chosen_target().name and sets == build.kernel_instruction_sets()
+    assert target == build.load_kernels().name and sets == build.kernel_instruction_sets()
     exposed = {}
     for name, loaded in (("none", None), ("v3", ("x86-64-v3", frozenset({"fma", "avx2"})))):
         metrics = WorkerMetrics()

@@ -9,8 +9,8 @@ flags: a different CPU misses the cache and gets its own build, never a foreign 
 
 `make install` builds once (`python -m services.worker.kernels.build`); a worker that finds no
 build for its CPU compiles one at start-up (about a minute on 2 cores). Where there is no
-compiler (the container image), it loads a build for its CPU's family instead, made where the
-image was built (targets.py). The compiler runs in a
+compiler (the container image), or where the native build fails, it loads a build for its
+CPU's family instead, made where the image was built (targets.py). The compiler runs in a
 subprocess with a timeout under an exclusive file lock (released by the OS if the holder dies,
 so a killed build never blocks the next), the library is renamed into place atomically, and
 any failure is reported as a reason string: callers fall back to the pure-torch backends.
@@ -136,12 +136,14 @@ def target_library(target: KernelTarget) -> Path:
     return cache_root() / key / f"spindle_kernels_{key}.so"
 
 
-def chosen_target() -> KernelTarget:
-    """The build this process loads ($SPINDLE_KERNEL_TARGET; targets.py says why there are several).
+def candidate_targets() -> list[KernelTarget]:
+    """The builds this process may load ($SPINDLE_KERNEL_TARGET; targets.py says why there are
+    several), in the order `load_kernels` tries them.
 
-    auto: native where its build is cached or a compiler can make it, else the best family build in
-    the cache that this CPU runs (the container image ships them). Raises `KernelBuildError` saying
-    why none will do.
+    A named target is the only candidate. auto: native where its build is cached or a compiler can
+    make it, then the family builds in the cache that this CPU runs, best first (the container
+    image ships them; elsewhere they stand in when the native build fails: a compiler too old for
+    the flags, a broken toolchain). Raises `KernelBuildError` saying why none will do.
     """
     try:
         name = requested_target()
@@ -153,13 +155,13 @@ def chosen_target() -> KernelTarget:
         if not target.is_native and not target.runs_on(flags):
             missing = " ".join(sorted(target.needs - flags)) or f"an {target.machine} CPU"
             raise KernelBuildError(f"this CPU cannot run kernels built for {name} (it lacks {missing})")
-        return target
-    if target_library(NATIVE).is_file() or compiler() is not None:
-        return NATIVE
+        return [target]
     runnable = family_targets_for(flags)
-    for target in runnable:
-        if target_library(target).is_file():
-            return target
+    cached = [target for target in runnable if target_library(target).is_file()]
+    if target_library(NATIVE).is_file() or compiler() is not None:
+        return [NATIVE, *cached]
+    if cached:
+        return cached
     names = ", ".join(t.name for t in runnable) or "none for this CPU"
     raise KernelBuildError(f"no C++ compiler to build this CPU's kernels, and no prebuilt build it can run "
                            f"({names}) in {cache_root()}")
@@ -234,23 +236,28 @@ def ensure_built(kernel_target: KernelTarget) -> Path:
 @functools.cache
 def load_kernels() -> KernelTarget:
     """Make `torch.ops.spindle.*` available in this process, building first if needed; returns the
-    target whose build it loaded (chosen_target's at the first call: what the process runs after).
+    target whose build it loaded (what the process runs after).
 
-    Raises `KernelBuildError` (remembered: later calls raise the same without retrying).
+    Tries `candidate_targets()` in order: when one fails (a compile error, a library that will not
+    load), the next; a fallback is logged with the reason. Raises `KernelBuildError` when none
+    loads (remembered: later calls raise the same without retrying).
     """
     if switch_on(DISABLE_ENV):
         raise KernelBuildError(f"disabled by {DISABLE_ENV}")
-    try:
-        target = chosen_target()
-        path = ensure_built(target)
-        torch.ops.load_library(str(path))
-    except KernelBuildError:
-        raise
-    except Exception as exc:  # OSError from the loader, a read-only cache, a missing header ...
-        raise KernelBuildError(f"{type(exc).__name__}: {exc}") from exc
-    logger.info("spindle CPU kernels loaded: built for %s, vector instruction sets: %s", target.name,
-                torch.ops.spindle.instruction_sets() or "none (portable loops)")
-    return target
+    failures: list[str] = []
+    for target in candidate_targets():
+        try:
+            torch.ops.load_library(str(ensure_built(target)))
+        except Exception as exc:  # KernelBuildError, OSError from the loader, a read-only cache ...
+            reason = str(exc) if isinstance(exc, KernelBuildError) else f"{type(exc).__name__}: {exc}"
+            failures.append(f"the {target.name} build failed: {reason}")
+            continue
+        if failures:
+            logger.warning("spindle CPU kernels: %s; loaded the %s build instead", "; ".join(failures), target.name)
+        logger.info("spindle CPU kernels loaded: built for %s, vector instruction sets: %s", target.name,
+                    torch.ops.spindle.instruction_sets() or "none (portable loops)")
+        return target
+    raise KernelBuildError("; ".join(failures))
 
 
 def kernel_instruction_sets() -> frozenset[str]:
