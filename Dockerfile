@@ -52,16 +52,17 @@ RUN python -m venv /opt/spindle \
 
 # The worker's CPU kernels (services/worker/kernels). The final image has no compiler, so a
 # worker there cannot build them for its own CPU (-march=native): they are built here for each
-# x86 family (kernels/targets.py; any building CPU will do), and a worker loads the best one its
-# CPU runs from SPINDLE_KERNEL_CACHE. Without them every op ran on torch's fallbacks. g++ is
-# Debian's, unpinned as the runtime packages below are (DL3008).
+# CPU family of the image's machine (kernels/targets.py: four x86 levels, or any 64-bit Arm; any
+# building CPU will do), and a worker loads the best one its CPU runs from SPINDLE_KERNEL_CACHE.
+# Without them every op ran on torch's fallbacks. g++ is Debian's, unpinned as the runtime
+# packages below are (DL3008).
 # hadolint ignore=DL3008
-RUN if [ "$VARIANT" = cpu ] && [ "$(uname -m)" = x86_64 ]; then \
+RUN if [ "$VARIANT" = cpu ]; then \
         apt-get update \
         && apt-get install -y --no-install-recommends g++ \
         && rm -rf /var/lib/apt/lists/* \
         && SPINDLE_KERNEL_CACHE=/opt/spindle/kernels /opt/spindle/bin/python -m services.worker.kernels.build \
-            --strict --targets x86-64-v4-bf16,x86-64-v4,x86-64-v3,x86-64; \
+            --strict --targets family; \
     fi
 
 # ---------------------------------------------------------------------------------------

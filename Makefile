@@ -6,7 +6,7 @@ PROTO_SRC := $(wildcard protos/spindle/v1/*.proto)
 PROTO_OUT := shared/pb
 DEMO_MODEL := .models/demo-llama
 
-.PHONY: install protos kernels run test lint bench bench-peers soak clean redis-server
+.PHONY: install protos kernels run test lint bench bench-peers soak clean test-packages
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -55,14 +55,20 @@ $(DEMO_MODEL)/config.json: | install
 run: install $(DEMO_MODEL)/config.json
 	$(BIN)/spindle serve --model $(DEMO_MODEL)
 
-# redis-server for the fault tests (a real Redis holds the journal), from Debian's packages.
-redis-server:
-	@command -v redis-server >/dev/null || { \
-	  echo "installing redis-server (Debian)"; \
-	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+# Debian packages the tests need, each as package:command: redis-server for the fault tests (a
+# real Redis holds the journal); gcc's Arm cross compiler, to check the CPU kernels compile for
+# Arm workers and the arm64 image (tests/worker/test_kernel_targets.py).
+TEST_PACKAGES := redis-server:redis-server g++-aarch64-linux-gnu:aarch64-linux-gnu-g++
 
-test: install $(BIN)/helm redis-server
+test-packages:
+	@missing=$$(for pc in $(TEST_PACKAGES); do command -v $${pc#*:} >/dev/null || echo $${pc%%:*}; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing" $$missing "(Debian)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+test: install $(BIN)/helm test-packages
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 

@@ -73,18 +73,22 @@ def test_final_stages_install_no_compiler() -> None:
             assert not found, f"stage {name} installs {found}"
 
 
-def test_the_image_ships_a_kernel_build_for_every_x86_family() -> None:
+def test_the_image_ships_a_kernel_build_for_every_cpu_family() -> None:
     """With no compiler in the image, a worker loads a family build (kernels/targets.py) from the
-    folder the final stage names: the build stage must make every family's, into that folder."""
+    folder the final stage names: the build stage must make every family's of its machine (x86's
+    four levels, Arm's one), into that folder, on every machine the CPU variant is built for."""
     from services.worker.kernels.build import CACHE_ENV
-    from services.worker.kernels.targets import FAMILY_TARGETS
+    from services.worker.kernels.targets import FAMILY, families_of
 
     cache = final_image().env[CACHE_ENV]
     build_stage = next(s for s in stages() if s[0][1].endswith(" AS build"))
     runs = [rest for keyword, rest in build_stage if keyword == "RUN" and "services.worker.kernels.build" in rest]
     assert len(runs) == 1, "one RUN builds the kernels"
     targets = re.search(r"--targets ([\w.,-]+)", runs[0])
-    assert targets and targets.group(1).split(",") == [t.name for t in FAMILY_TARGETS]
+    assert targets and targets.group(1) == FAMILY
+    assert "uname" not in runs[0], "every machine's image gets its families"
+    assert [t.name for t in families_of("x86_64")] == ["x86-64-v4-bf16", "x86-64-v4", "x86-64-v3", "x86-64"]
+    assert [t.name for t in families_of("aarch64")] == ["armv8-a"]
     assert f"{CACHE_ENV}={cache} " in runs[0] and "--strict" in runs[0], "a failed build must fail the image"
 
 

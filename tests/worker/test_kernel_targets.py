@@ -2,6 +2,7 @@
 
 - which family builds a CPU runs, best first; names and CPUs are checked with a clear reason;
 - a family build's cache key leaves the building CPU out (the image builds them on any CPU);
+- Arm builds get no x86 options, and every kernel source compiles for Arm (a cross compiler);
 - with no compiler, `auto` loads the best family build in the cache (the container image), and
   one stands in where the native build fails;
 - the worker's kernel tests pass on an AVX2-only build (the code an AMD Zen 3 runs) and on the
@@ -37,7 +38,8 @@ def test_a_cpu_runs_the_family_builds_its_instructions_allow_best_first() -> Non
     assert names(ZEN4 - {"avx512_bf16"}) == ["x86-64-v4", "x86-64-v3", "x86-64"]  # Skylake-SP, Ice Lake
     assert names(ZEN3) == ["x86-64-v3", "x86-64"]
     assert names(ZEN3 - {"fma"}) == ["x86-64"]
-    assert names(frozenset({"fp", "asimd", "bf16"}), "aarch64") == []  # Arm builds natively
+    assert names(frozenset({"fp", "asimd", "bf16"}), "aarch64") == ["armv8-a"]
+    assert names(ZEN4, "riscv64") == []
 
 
 def test_unknown_targets_and_builds_this_cpu_cannot_run_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -74,6 +76,50 @@ def test_a_family_build_is_calibrated_per_cpu_in_the_users_cache(monkeypatch: py
         monkeypatch.setattr(build, "_cpu_features", lambda cpu=cpu: cpu)
         dirs.add(build.calibration_dir(target_named("x86-64")))
     assert len(dirs) == 2 and all(d.is_relative_to(tmp_path / "home") for d in dirs)
+
+
+def test_x86_tuning_stays_off_arm_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gcc for Arm rejects -mprefer-vector-width: with it every native Arm build failed."""
+    assert "-mprefer-vector-width=256" in build.target_flags(target_named("x86-64-v3"))
+    assert "-mprefer-vector-width=256" not in build.target_flags(target_named("armv8-a"))
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert "-mprefer-vector-width=256" not in build.target_flags(NATIVE)
+    assert [t.name for t in family_targets_for(frozenset({"fp", "asimd"}))] == ["armv8-a"]
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert "-mprefer-vector-width=256" in build.target_flags(NATIVE)
+
+
+def test_targets_family_builds_every_family_of_this_machine(monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """What the image's build stage runs (`--targets family`), on x86 and on Arm."""
+    built: list[str] = []
+    monkeypatch.setattr(build, "ensure_built", lambda target: built.append(target.name) or Path(target.name))
+    for machine, expected in (("x86_64", ["x86-64-v4-bf16", "x86-64-v4", "x86-64-v3", "x86-64"]),
+                              ("aarch64", ["armv8-a"])):
+        monkeypatch.setattr(platform, "machine", lambda machine=machine: machine)
+        built.clear()
+        assert build.main(["--strict", "--targets", "family"]) == 0
+        assert built == expected
+    monkeypatch.setattr(platform, "machine", lambda: "riscv64")
+    built.clear()
+    assert build.main(["--strict", "--targets", "family"]) == 0 and built == []
+    assert "no family builds for riscv64" in capsys.readouterr().out
+
+
+ARM_CXX = "aarch64-linux-gnu-g++"  # Debian's g++-aarch64-linux-gnu (make test installs it)
+
+
+@pytest.mark.skipif(shutil.which(ARM_CXX) is None, reason=f"needs {ARM_CXX}")
+def test_the_kernels_compile_for_arm() -> None:
+    """Every source, with the armv8-a build's flags, through Debian's cross compiler: x86-only code
+    (an unguarded intrinsic, an x86 option) would break Arm workers and the arm64 image, and no
+    x86 host compiles that path otherwise (-fsyntax-only: the parse and template instantiation,
+    which is where such code fails, in a third of a full compile's time)."""
+    flags = build.compile_flags(target_named("armv8-a"))
+    running = [(source, subprocess.Popen([ARM_CXX, *flags, "-fsyntax-only", str(source)], stderr=subprocess.PIPE,
+                                         text=True)) for source in build.SOURCES]
+    errors = {source.name: proc.communicate(timeout=600)[1][-2000:] for source, proc in running}
+    assert all(proc.returncode == 0 for _, proc in running), {k: v for k, v in errors.items() if v}
 
 
 def _runnable(name: str) -> bool:

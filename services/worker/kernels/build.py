@@ -40,9 +40,11 @@ import torch
 
 from services.worker.kernels.targets import (
     AUTO,
+    FAMILY,
     NATIVE,
     TARGETS,
     KernelTarget,
+    families_of,
     family_targets_for,
     requested_target,
     target_named,
@@ -58,9 +60,11 @@ SOURCES = tuple(_CSRC / name for name in (
 # Not compiled on their own, but part of a build's key.
 HEADERS = (_CSRC / "fused_ops.h", _CSRC / "vec_math.h", _CSRC / "kernel_ops.h", _CSRC / "work_pool.h",
            _CSRC / "linear_mid_m.h", _CSRC / "env_flag.h", _CSRC / "linear_out.h", _CSRC / "prefill_lanes.h")
-# 256-bit vectors even where -march=native's tuning prefers 128 (AMD Zen 1/2): the kernels keep
-# 4 heads x 16 fp32 accumulators in registers, which 128-bit vectors spill (measured: -25 % time).
-CXX_FLAGS = ("-O3", "-mprefer-vector-width=256", "-fopenmp", "-std=c++20", "-fPIC", "-shared", "-DNDEBUG")
+CXX_FLAGS = ("-O3", "-fopenmp", "-std=c++20", "-fPIC", "-shared", "-DNDEBUG")
+# x86 only (gcc for Arm has no such option: with it a native Arm build failed): 256-bit vectors
+# even where -march=native's tuning prefers 128 (AMD Zen 1/2): the kernels keep 4 heads x 16 fp32
+# accumulators in registers, which 128-bit vectors spill (measured: -25 % time).
+X86_FLAGS = ("-mprefer-vector-width=256",)
 BUILD_TIMEOUT_S = 600.0
 CACHE_ENV = "SPINDLE_KERNEL_CACHE"  # folder of builds; default ~/.cache/spindle/kernels
 DISABLE_ENV = "SPINDLE_DISABLE_KERNELS"  # set to 1: never build or load (tests of the fallback)
@@ -117,12 +121,26 @@ def compiler() -> str | None:
     return shutil.which("g++") or shutil.which("c++")
 
 
+def target_flags(target: KernelTarget) -> tuple[str, ...]:
+    """gcc's code-generation flags for `target`: its instruction set, the x86 tuning on x86, CXX_FLAGS."""
+    return (*target.march_flags, *(X86_FLAGS if target.is_x86 else ()), *CXX_FLAGS)
+
+
+def compile_flags(target: KernelTarget) -> list[str]:
+    """Everything but the compiler, the sources and the linking: what compiling one source takes."""
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [*target_flags(target), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *[f"-I{p}" for p in cpp_extension.include_paths()]]
+
+
 def build_key(target: KernelTarget) -> str:
     """Names one build: sources, flags (the target's among them), torch version and, for a native
     build, the CPU's features (a family build runs on any CPU of the family, so they stay out)."""
     digest = hashlib.sha256()
     sources = [p.read_bytes() for p in (*SOURCES, *HEADERS)]
-    flags = " ".join((*target.march_flags, *CXX_FLAGS)).encode()
+    flags = " ".join(target_flags(target)).encode()
     cpu = _cpu_features().encode() if target.is_native else b""
     for part in (*sources, flags, torch.__version__.encode(), cpu):
         digest.update(part)
@@ -183,14 +201,10 @@ def _compile_command(target: KernelTarget, output: Path) -> list[str]:
     cxx = compiler()
     if cxx is None:
         raise KernelBuildError("no C++ compiler (g++) on PATH")
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     lib_dirs = cpp_extension.library_paths()
     return [
         cxx,
-        *target.march_flags,
-        *CXX_FLAGS,
-        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-        *[f"-I{p}" for p in cpp_extension.include_paths()],
+        *compile_flags(target),
         *[str(p) for p in SOURCES],
         *[f"-L{p}" for p in lib_dirs],
         *[f"-Wl,-rpath,{p}" for p in lib_dirs],
@@ -296,14 +310,21 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0] if main.__doc__ else None)
     parser.add_argument("--strict", action="store_true", help="exit 1 when the kernels cannot be built")
-    parser.add_argument("--targets", default="", help=f"comma list of {', '.join(TARGETS)} to build, not load")
+    parser.add_argument("--targets", default="", help=f"comma list of {', '.join(TARGETS)} to build, not load; "
+                        f"{FAMILY}: every family build for this machine")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.targets:
         failed = False
-        for name in args.targets.split(","):
+        names = [n.strip() for n in args.targets.split(",")]
+        if FAMILY in names:
+            at = names.index(FAMILY)
+            names[at:at + 1] = [t.name for t in families_of()]
+        if not names:
+            print(f"spindle CPU kernels: no family builds for {platform.machine()}")
+        for name in names:
             try:
-                print(f"spindle CPU kernels for {name}: {ensure_built(target_named(name.strip()))}")
+                print(f"spindle CPU kernels for {name}: {ensure_built(target_named(name))}")
             except (KernelBuildError, ValueError) as exc:
                 print(f"spindle CPU kernels for {name} failed: {exc}")
                 failed = True

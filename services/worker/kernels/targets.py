@@ -35,6 +35,11 @@ class KernelTarget:
     def is_native(self) -> bool:
         return self.name == NATIVE.name
 
+    @property
+    def is_x86(self) -> bool:
+        """Whether it builds for x86-64 (a native build: where it is built)."""
+        return (self.machine or platform.machine()) == "x86_64"
+
     def runs_on(self, cpu_flags: frozenset[str], machine: str | None = None) -> bool:
         """Whether a CPU with these flags (on `machine`, default this one) can run this build."""
         on = machine or platform.machine()
@@ -51,12 +56,15 @@ _X86_64_V4 = _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx51
 # Family builds, best first: a worker without a compiler loads the first its CPU runs. v4 with
 # AVX512-BF16 is Zen 4 and later, Cooper Lake and Sapphire Rapids on (bf16 dot products in the
 # linear kernels); v4 the other AVX-512 CPUs; v3 AVX2 ones (Zen 1-3, Haswell on); x86-64 any.
+# armv8-a: any 64-bit Arm (the kernels' portable loops, which gcc vectorises with NEON).
 FAMILY_TARGETS: tuple[KernelTarget, ...] = (
     KernelTarget("x86-64-v4-bf16", ("-march=x86-64-v4", "-mavx512bf16"), _X86_64_V4 | {"avx512_bf16"}, "x86_64"),
     KernelTarget("x86-64-v4", ("-march=x86-64-v4",), _X86_64_V4, "x86_64"),
     KernelTarget("x86-64-v3", ("-march=x86-64-v3",), _X86_64_V3, "x86_64"),
     KernelTarget("x86-64", ("-march=x86-64",), frozenset(), "x86_64"),
+    KernelTarget("armv8-a", ("-march=armv8-a",), frozenset(), "aarch64"),
 )
+FAMILY = "family"  # in a build's --targets: every family build for the building machine
 TARGETS: dict[str, KernelTarget] = {t.name: t for t in (NATIVE, *FAMILY_TARGETS)}
 
 
@@ -73,6 +81,12 @@ def requested_target() -> str:
     if name != AUTO:
         target_named(name)
     return name
+
+
+def families_of(machine: str | None = None) -> list[KernelTarget]:
+    """The family builds for a machine (default this one), whatever its CPU runs: what the image builds."""
+    on = machine or platform.machine()
+    return [t for t in FAMILY_TARGETS if t.machine == on]
 
 
 def family_targets_for(cpu_flags: frozenset[str], machine: str | None = None) -> list[KernelTarget]:
