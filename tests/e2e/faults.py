@@ -32,7 +32,7 @@ class RedisServer:
 
     def start(self) -> None:
         binary = shutil.which("redis-server")
-        assert binary, "redis-server is not installed (Debian package redis-server; .ci/run installs it)"
+        assert binary, "redis-server is not installed (Debian package redis-server; make test-packages installs it)"
         self.process = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
              "--appendonly", "yes", "--appendfsync", "always", "--save", ""],

@@ -78,6 +78,59 @@ def test_a_family_build_is_calibrated_per_cpu_in_the_users_cache(monkeypatch: py
     assert len(dirs) == 2 and all(d.is_relative_to(tmp_path / "home") for d in dirs)
 
 
+def test_auto_tries_native_then_the_cached_family_builds_best_first(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    monkeypatch.setenv(TARGET_ENV, "auto")
+    monkeypatch.setattr(build, "_cpu_features", lambda: " ".join(sorted(ZEN4)))
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    cached = {"x86-64-v3", "x86-64-v4-bf16"}
+    monkeypatch.setattr(build, "target_library",
+                        lambda t: tmp_path / ("cached" if t.name in cached else "missing") / t.name)
+    (tmp_path / "cached").mkdir()
+    for name in cached:
+        (tmp_path / "cached" / name).touch()
+    monkeypatch.setattr(build, "compiler", lambda: "/usr/bin/g++")
+    assert [t.name for t in build.candidate_targets()] == ["native", "x86-64-v4-bf16", "x86-64-v3"]
+    monkeypatch.setattr(build, "compiler", lambda: None)
+    assert [t.name for t in build.candidate_targets()] == ["x86-64-v4-bf16", "x86-64-v3"]
+
+
+def test_a_build_that_will_not_load_gives_way_to_the_next_and_a_failure_is_remembered(
+        cpu_kernels: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A library the loader refuses (an undefined symbol, a truncated file) is a failure like a
+    compile error; and when none loads, later calls raise at once (no compiler run per caller)."""
+    import torch
+
+    first, second = target_named("x86-64-v4-bf16"), target_named("x86-64-v3")
+    monkeypatch.setattr(build, "candidate_targets", lambda: [first, second])
+    monkeypatch.setattr(build, "ensure_built", lambda target: Path(f"/cache/{target.name}.so"))
+    loaded: list[str] = []
+
+    def load_library(path: str) -> None:
+        if first.name in path:
+            raise OSError(f"{path}: undefined symbol: _ZN3c10")
+        loaded.append(path)
+
+    monkeypatch.setattr(torch.ops, "load_library", load_library)
+    try:
+        build.forget_load_failure()
+        with caplog.at_level("WARNING"):
+            assert build.load_kernels() is second and loaded == ["/cache/x86-64-v3.so"]
+        assert "the x86-64-v4-bf16 build failed: OSError: /cache/x86-64-v4-bf16.so: undefined symbol" in caplog.text
+        assert "loaded the x86-64-v3 build instead" in caplog.text
+        tries: list[int] = []
+        monkeypatch.setattr(build, "candidate_targets", lambda: tries.append(1) or [first])
+        build.forget_load_failure()
+        for _ in range(3):
+            with pytest.raises(build.KernelBuildError, match="the x86-64-v4-bf16 build failed"):
+                build.load_kernels()
+        assert tries == [1]
+    finally:
+        monkeypatch.undo()
+        build.forget_load_failure()
+        build.load_kernels()
+
+
 def test_x86_tuning_stays_off_arm_builds(monkeypatch: pytest.MonkeyPatch) -> None:
     """gcc for Arm rejects -mprefer-vector-width: with it every native Arm build failed."""
     assert "-mprefer-vector-width=256" in build.target_flags(target_named("x86-64-v3"))
@@ -102,8 +155,9 @@ def test_targets_family_builds_every_family_of_this_machine(monkeypatch: pytest.
         assert built == expected
     monkeypatch.setattr(platform, "machine", lambda: "riscv64")
     built.clear()
-    assert build.main(["--strict", "--targets", "family"]) == 0 and built == []
+    assert build.main(["--targets", "family"]) == 0 and built == []
     assert "no family builds for riscv64" in capsys.readouterr().out
+    assert build.main(["--strict", "--targets", "family"]) == 1, "--strict: an image without kernels fails"
 
 
 ARM_CXX = "aarch64-linux-gnu-g++"  # Debian's g++-aarch64-linux-gnu (make test installs it)
@@ -205,7 +259,7 @@ def test_the_worker_metric_names_the_build_it_runs(cpu_kernels: None) -> None:
     from services.worker.telemetry import WorkerMetrics
 
     target, sets = build.loaded_build() or ("", frozenset())
-    assert target == build.load_kernels().name and sets == build.kernel_instruction_sets()
+    assert target == build.candidate_targets()[0].name and sets == build.kernel_instruction_sets()
     exposed = {}
     for name, loaded in (("none", None), ("v3", ("x86-64-v3", frozenset({"fma", "avx2"})))):
         metrics = WorkerMetrics()

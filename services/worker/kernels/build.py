@@ -9,11 +9,12 @@ flags: a different CPU misses the cache and gets its own build, never a foreign 
 
 `make install` builds once (`python -m services.worker.kernels.build`); a worker that finds no
 build for its CPU compiles one at start-up (about a minute on 2 cores). Where there is no
-compiler (the container image), or where the native build fails, it loads a build for its
-CPU's family instead, made where the image was built (targets.py). The compiler runs in a
-subprocess with a timeout under an exclusive file lock (released by the OS if the holder dies,
-so a killed build never blocks the next), the library is renamed into place atomically, and
-any failure is reported as a reason string: callers fall back to the pure-torch backends.
+compiler (the container image), or where the native build fails and one is cached, it loads a
+build for its CPU's family instead, made where the image was built or by `--targets`
+(targets.py). The compiler runs in a subprocess with a timeout under an exclusive file lock
+(released by the OS if the holder dies, so a killed build never blocks the next), the library is
+renamed into place atomically, and any failure is reported as a reason string: callers fall
+back to the pure-torch backends.
 
 The extension links only libtorch (`TORCH_LIBRARY`, no pybind11), which keeps it independent
 of the Python version and quick to compile; torch.utils.cpp_extension supplies the include and
@@ -60,7 +61,8 @@ SOURCES = tuple(_CSRC / name for name in (
 # Not compiled on their own, but part of a build's key.
 HEADERS = (_CSRC / "fused_ops.h", _CSRC / "vec_math.h", _CSRC / "kernel_ops.h", _CSRC / "work_pool.h",
            _CSRC / "linear_mid_m.h", _CSRC / "env_flag.h", _CSRC / "linear_out.h", _CSRC / "prefill_lanes.h")
-CXX_FLAGS = ("-O3", "-fopenmp", "-std=c++20", "-fPIC", "-shared", "-DNDEBUG")
+OPTIMIZE = ("-O3",)
+CXX_FLAGS = ("-fopenmp", "-std=c++20", "-fPIC", "-shared", "-DNDEBUG")
 # x86 only (gcc for Arm has no such option: with it a native Arm build failed): 256-bit vectors
 # even where -march=native's tuning prefers 128 (AMD Zen 1/2): the kernels keep 4 heads x 16 fp32
 # accumulators in registers, which 128-bit vectors spill (measured: -25 % time).
@@ -122,8 +124,9 @@ def compiler() -> str | None:
 
 
 def target_flags(target: KernelTarget) -> tuple[str, ...]:
-    """gcc's code-generation flags for `target`: its instruction set, the x86 tuning on x86, CXX_FLAGS."""
-    return (*target.march_flags, *(X86_FLAGS if target.is_x86 else ()), *CXX_FLAGS)
+    """gcc's code-generation flags for `target`: its instruction set, -O3, the x86 tuning on x86,
+    CXX_FLAGS (in the order of the builds before Arm's, whose cache keys stay valid)."""
+    return (*target.march_flags, *OPTIMIZE, *(X86_FLAGS if target.is_x86 else ()), *CXX_FLAGS)
 
 
 def compile_flags(target: KernelTarget) -> list[str]:
@@ -247,6 +250,9 @@ def ensure_built(kernel_target: KernelTarget) -> Path:
     return target
 
 
+_load_error: KernelBuildError | None = None  # why load_kernels failed, so that it is not retried
+
+
 @functools.cache
 def load_kernels() -> KernelTarget:
     """Make `torch.ops.spindle.*` available in this process, building first if needed; returns the
@@ -256,6 +262,24 @@ def load_kernels() -> KernelTarget:
     load), the next; a fallback is logged with the reason. Raises `KernelBuildError` when none
     loads (remembered: later calls raise the same without retrying).
     """
+    global _load_error
+    if _load_error is not None:  # functools.cache keeps results, not exceptions
+        raise _load_error
+    try:
+        return _load_first_candidate()
+    except KernelBuildError as exc:
+        _load_error = exc
+        raise
+
+
+def forget_load_failure() -> None:
+    """Let the next `load_kernels` try again (tests that change the environment between calls)."""
+    global _load_error
+    _load_error = None
+    load_kernels.cache_clear()
+
+
+def _load_first_candidate() -> KernelTarget:
     if switch_on(DISABLE_ENV):
         raise KernelBuildError(f"disabled by {DISABLE_ENV}")
     failures: list[str] = []
@@ -322,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             names[at:at + 1] = [t.name for t in families_of()]
         if not names:
             print(f"spindle CPU kernels: no family builds for {platform.machine()}")
+            return 1 if args.strict else 0
         for name in names:
             try:
                 print(f"spindle CPU kernels for {name}: {ensure_built(target_named(name))}")

@@ -3,13 +3,15 @@
 Why: the kernels are compiled with gcc's `-march`, and `native` (this CPU's instruction set) needs
 a compiler where the worker runs. The container image has none (its final stage installs no
 compiler, by design), so there a worker could not build its kernels and ran every op on torch's
-fallbacks. The image therefore ships builds for families of x86 CPUs (the psABI levels, plus
-AVX512-BF16), and a worker without a compiler loads the best one its CPU can run. The same
+fallbacks. The image therefore ships builds for families of CPUs (on x86 the psABI levels, plus
+AVX512-BF16; on Arm any 64-bit Arm), and a worker without a compiler, or whose native build
+fails, loads the best cached one its CPU can run. The same
 targets let tests and benchmarks build and check an AVX2-only CPU's code paths (x86-64-v3) or the
 portable loops an Arm build also takes (x86-64) on whatever host they run on.
 
 `SPINDLE_KERNEL_TARGET` picks one: `auto` (the default: native where a compiler is or a native
-build is cached, else the best prebuilt family build), `native`, or a family's name.
+build is cached, else, or when that fails, the best cached family build), `native`, or a family's
+name.
 """
 
 from __future__ import annotations
