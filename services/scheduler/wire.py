@@ -70,17 +70,14 @@ def update_to_proto(u: RequestUpdate) -> scheduler_pb2.RequestUpdate:
 
 
 def update_from_proto(msg: scheduler_pb2.RequestUpdate) -> RequestUpdate:
-    # Repeated fields are copied with [:]: list() walks them by index until an IndexError is
-    # raised and formatted (protobuf's upb containers have no __iter__), twice the time a field,
-    # for every request at every step (3.5 -> 2.2 us an update).
     return RequestUpdate(
-        request_id=msg.request_id, token_ids=msg.token_ids[:], logprobs=msg.logprobs[:],
-        num_top_logprobs=msg.num_top_logprobs, top_token_ids=msg.top_token_ids[:],
-        top_logprobs=msg.top_logprobs[:],
+        request_id=msg.request_id, token_ids=list(msg.token_ids), logprobs=list(msg.logprobs),
+        num_top_logprobs=msg.num_top_logprobs, top_token_ids=list(msg.top_token_ids),
+        top_logprobs=list(msg.top_logprobs),
         stop_reason=StopReason(msg.stop_reason) if msg.stop_reason else None,
         stop_token_id=msg.stop_token_id if msg.HasField("stop_token_id") else None,
         num_prompt_tokens=msg.num_prompt_tokens, num_cached_tokens=msg.num_cached_tokens,
-        pooled=msg.pooled[:],
+        pooled=list(msg.pooled),
         error=RequestError(ErrorKind(msg.error.kind), msg.error.message) if msg.error.kind else None,
     )
 
