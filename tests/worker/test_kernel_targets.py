@@ -113,21 +113,21 @@ def test_a_build_that_will_not_load_gives_way_to_the_next_and_a_failure_is_remem
 
     monkeypatch.setattr(torch.ops, "load_library", load_library)
     try:
-        build.forget_load_failure()
+        build.forget_load_outcome()
         with caplog.at_level("WARNING"):
             assert build.load_kernels() is second and loaded == ["/cache/x86-64-v3.so"]
         assert "the x86-64-v4-bf16 build failed: OSError: /cache/x86-64-v4-bf16.so: undefined symbol" in caplog.text
         assert "loaded the x86-64-v3 build instead" in caplog.text
         tries: list[int] = []
         monkeypatch.setattr(build, "candidate_targets", lambda: tries.append(1) or [first])
-        build.forget_load_failure()
+        build.forget_load_outcome()
         for _ in range(3):
             with pytest.raises(build.KernelBuildError, match="the x86-64-v4-bf16 build failed"):
                 build.load_kernels()
         assert tries == [1]
     finally:
         monkeypatch.undo()
-        build.forget_load_failure()
+        build.forget_load_outcome()
         build.load_kernels()
 
 

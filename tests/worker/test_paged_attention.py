@@ -249,10 +249,10 @@ def test_a_failed_build_is_reported_not_raised(monkeypatch, tmp_path) -> None:
     """A broken compiler gives a reason string (and `make install` exits 0 without --strict)."""
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv("CXX", "/bin/false")
-    build.forget_load_failure()
+    build.forget_load_outcome()
     try:
         assert build.kernels_error() is not None and "compiler exited 1" in build.kernels_error()
         assert build.main([]) == 0 and build.main(["--strict"]) == 1
         assert not list(tmp_path.rglob("*.so"))
     finally:
-        build.forget_load_failure()
+        build.forget_load_outcome()

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import functools
 import hashlib
 import logging
 import os
@@ -250,33 +249,33 @@ def ensure_built(kernel_target: KernelTarget) -> Path:
     return target
 
 
-_load_error: KernelBuildError | None = None  # why load_kernels failed, so that it is not retried
+_outcome: KernelTarget | KernelBuildError | None = None  # what load_kernels got: kept, never retried
 
 
-@functools.cache
 def load_kernels() -> KernelTarget:
     """Make `torch.ops.spindle.*` available in this process, building first if needed; returns the
     target whose build it loaded (what the process runs after).
 
     Tries `candidate_targets()` in order: when one fails (a compile error, a library that will not
     load), the next; a fallback is logged with the reason. Raises `KernelBuildError` when none
-    loads (remembered: later calls raise the same without retrying).
+    loads. The first call's outcome is kept: later calls return or raise it without retrying (a
+    worker has several callers, and a failing native compile may run to its timeout).
     """
-    global _load_error
-    if _load_error is not None:  # functools.cache keeps results, not exceptions
-        raise _load_error
-    try:
-        return _load_first_candidate()
-    except KernelBuildError as exc:
-        _load_error = exc
-        raise
+    global _outcome
+    if _outcome is None:
+        try:
+            _outcome = _load_first_candidate()
+        except KernelBuildError as exc:
+            _outcome = exc
+    if isinstance(_outcome, KernelBuildError):
+        raise _outcome
+    return _outcome
 
 
-def forget_load_failure() -> None:
+def forget_load_outcome() -> None:
     """Let the next `load_kernels` try again (tests that change the environment between calls)."""
-    global _load_error
-    _load_error = None
-    load_kernels.cache_clear()
+    global _outcome
+    _outcome = None
 
 
 def _load_first_candidate() -> KernelTarget:

@@ -93,4 +93,4 @@ def families_of(machine: str | None = None) -> list[KernelTarget]:
 
 def family_targets_for(cpu_flags: frozenset[str], machine: str | None = None) -> list[KernelTarget]:
     """The family builds a CPU with these flags can run, best first."""
-    return [t for t in FAMILY_TARGETS if t.runs_on(cpu_flags, machine)]
+    return [t for t in families_of(machine) if t.needs <= cpu_flags]
