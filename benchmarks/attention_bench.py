@@ -1,9 +1,10 @@
 """Decode step time, padded `sdpa` vs the in-place `paged` CPU backend, side by side in one run.
 
 Two batch shapes of 64 rows on the medium benchmark model (hidden 1024, 8 layers, 16 query / 4
-KV heads of 64; `--model small`: 4 layers, 8 / 2 heads of 32), fp32, one new token per row;
-`--kv-cache-dtypes float32,bfloat16` also times the paged backend on a bf16 cache
-(`--kv-cache-dtype`, read widened block by block):
+KV heads of 64; `--model small`: 4 layers, 8 / 2 heads of 32), fp32 (`--dtype bfloat16`: the
+model, queries and cache in bf16, as the worker's `--dtype bfloat16`), one new token per row;
+`--kv-cache-dtypes float32,bfloat16` times the paged backend on each of those caches
+(`--kv-cache-dtype`; a cache of another dtype than the queries' is read widened block by block):
 
 - equal: every row has the same context (`--contexts`, each a shape);
 - skewed: one row of `--long` tokens and 63 of `--short` (issue 14: with a gathered, padded
@@ -116,7 +117,7 @@ def random_kv_caches(config: DecoderConfig, num_blocks: int, head_major: bool,
 
 
 def time_shape(model: torch.nn.Module, backends: dict[str, tuple[AttentionBackend, torch.dtype]],
-               seq_lens: np.ndarray, repeats: int) -> dict[str, tuple[float, float]]:
+               seq_lens: np.ndarray, repeats: int, dtype: torch.dtype) -> dict[str, tuple[float, float]]:
     """label -> (attention ms per step over all layers, whole forward ms per step), for each
     label's backend on a cache of its dtype."""
     config = model.config
@@ -126,7 +127,7 @@ def time_shape(model: torch.nn.Module, backends: dict[str, tuple[AttentionBacken
     common = decode_metadata(seq_lens, num_blocks)
     gen = torch.Generator().manual_seed(0)
     t, h, kvh, d = len(seq_lens), config.num_heads, config.num_kv_heads, config.head_dim
-    q, k, v = (torch.randn(t, n, d, generator=gen) for n in (h, kvh, kvh))
+    q, k, v = (torch.randn(t, n, d, generator=gen).to(dtype) for n in (h, kvh, kvh))
     ids = torch.randint(0, config.vocab_size, (t,), generator=gen)
     positions = torch.from_numpy(seq_lens - 1)
     spec = model.layers[0].self_attn.spec
@@ -151,13 +152,13 @@ def time_shape(model: torch.nn.Module, backends: dict[str, tuple[AttentionBacken
 
 
 def time_prefill(model: torch.nn.Module, backends: dict[str, tuple[AttentionBackend, torch.dtype]], context: int,
-                 chunk: int, repeats: int) -> dict[str, float]:
+                 chunk: int, repeats: int, dtype: torch.dtype) -> dict[str, float]:
     """label -> attention ms over all layers for one prefill chunk (`prefill_metadata`)."""
     config = model.config
     num_blocks = -(-context // BLOCK_SIZE) + 8
     common = prefill_metadata(context, chunk, num_blocks)
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(chunk, n, config.head_dim, generator=gen)
+    q, k, v = (torch.randn(chunk, n, config.head_dim, generator=gen).to(dtype)
                for n in (config.num_heads, config.num_kv_heads, config.num_kv_heads))
     spec = model.layers[0].self_attn.spec
     results = {}
@@ -182,7 +183,7 @@ def prefill_gflop(config: DecoderConfig, context: int, chunk: int) -> float:
 
 
 def write_prefill_table(model: torch.nn.Module, backends: dict[str, tuple[AttentionBackend, torch.dtype]],
-                        contexts: list[int], chunk: int, repeats: int) -> None:
+                        contexts: list[int], chunk: int, repeats: int, dtype: torch.dtype) -> None:
     out = sys.stdout
     out.write(f"\nprefill: one row, the last min(context, {chunk}) tokens of the prompt against all of it "
               "(chunked prefill), attention of every layer, median of the repeats\n")
@@ -190,7 +191,7 @@ def write_prefill_table(model: torch.nn.Module, backends: dict[str, tuple[Attent
     out.write("| --- | --- | --- | --- | --- |\n")
     for context in contexts:
         n = min(context, chunk)
-        r = time_prefill(model, backends, context, n, repeats)
+        r = time_prefill(model, backends, context, n, repeats, dtype)
         gflop = prefill_gflop(model.config, context, n)
         for name, ms in r.items():
             out.write(f"| {context} | {n} | {name} | {ms:.1f} | {gflop / ms * 1e3:.0f} |\n")
@@ -206,8 +207,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=machine_cores())
     p.add_argument("--model", default="medium", help="benchmark model (benchmarks/models.py)")
-    p.add_argument("--kv-cache-dtypes", default="float32",
-                   help="comma list: the paged backend's cache dtypes (sdpa reads float32 only)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the activations' dtype (queries, new keys and values, the model; --dtype of the worker)")
+    p.add_argument("--kv-cache-dtypes", default="",
+                   help="comma list: the paged backend's cache dtypes (default --dtype; sdpa reads --dtype's)")
     p.add_argument("--prefill-contexts", default="",
                    help="comma list: also time one long prompt's prefill chunk at these contexts, e.g. 2048,4096")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="query tokens of that chunk (the token budget)")
@@ -216,27 +219,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     if a.prefill_chunk < 1 or any(c < 1 for c in prefill_contexts):
         p.error(f"--prefill-chunk {a.prefill_chunk} and --prefill-contexts {a.prefill_contexts} must be >= 1")
     torch.set_num_threads(a.threads)
-    model = load_model(ensure_model(a.model), create_backend("sdpa", BLOCK_SIZE), torch.float32,
-                       torch.device("cpu"))
-    backends = {"sdpa": (create_backend("sdpa", BLOCK_SIZE), torch.float32)}
-    for name in a.kv_cache_dtypes.split(","):
+    dtype = getattr(torch, a.dtype)
+    model = load_model(ensure_model(a.model), create_backend("sdpa", BLOCK_SIZE), dtype, torch.device("cpu"))
+    backends = {"sdpa": (create_backend("sdpa", BLOCK_SIZE), dtype)}
+    for name in (a.kv_cache_dtypes or a.dtype).split(","):
         backends[f"paged {name}"] = (create_backend("paged", BLOCK_SIZE), getattr(torch, name))
     shapes = [(f"equal {a.batch} x {c}", np.full(a.batch, int(c))) for c in a.contexts.split(",") if c]
     shapes.append((f"skewed 1 x {a.long} + {a.batch - 1} x {a.short}",
                    np.array([a.long] + [a.short] * (a.batch - 1))))
     out = sys.stdout
-    out.write(f"{a.model} model, fp32, {a.threads} threads, decode step of {a.batch} rows, median of {a.repeats}\n")
+    out.write(f"{a.model} model, {a.dtype}, {a.threads} threads, decode step of {a.batch} rows, "
+              f"median of {a.repeats}\n")
     out.write("| shape | backend, KV cache | attention ms | vs sdpa | step ms | vs sdpa |\n")
     out.write("| --- | --- | --- | --- | --- | --- |\n")
     for label, seq_lens in shapes:
-        r = time_shape(model, backends, seq_lens, a.repeats)
+        r = time_shape(model, backends, seq_lens, a.repeats, dtype)
         att_s, step_s = r["sdpa"]
         for name, (att, step) in r.items():
             out.write(f"| {label} | {name} | {att:.2f} | {att_s / att:.2f}x | {step:.1f} | {step_s / step:.2f}x |\n")
         out.flush()
     if prefill_contexts:  # the paged backend only: sdpa's padded layout makes a row of every query token
         paged = {name: b for name, b in backends.items() if name != "sdpa"}
-        write_prefill_table(model, paged, prefill_contexts, a.prefill_chunk, a.repeats)
+        write_prefill_table(model, paged, prefill_contexts, a.prefill_chunk, a.repeats, dtype)
 
 
 if __name__ == "__main__":

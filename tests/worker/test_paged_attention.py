@@ -119,19 +119,22 @@ LONG_ROWS = [(300, 150), (257, 257), (1000, 20), (40, 1), (77, 9)]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "window"),
-    [(8, 2, 64, None), (16, 4, 64, 50), (4, 4, 32, None), (6, 2, 40, 33), (2, 1, 128, None)],
+    [(8, 2, 64, None), (16, 4, 64, 50), (4, 4, 32, None), (6, 2, 40, 33), (2, 1, 128, None), (4, 2, 96, 21)],
 )
 def test_long_prefill_chunks_match_dense_reference(dtype, heads, kv_heads, head_dim, window) -> None:
     _check_against_reference(dtype, heads, kv_heads, head_dim, 16, window, None, LONG_ROWS, head_major=True)
 
 
 @pytest.mark.parametrize(
-    "switch", ["SPINDLE_DISABLE_L2_PREFETCH", "SPINDLE_DISABLE_PREFILL_TILES", "SPINDLE_PREFILL_TILES_AVX2"])
+    "switch", ["SPINDLE_DISABLE_L2_PREFETCH", "SPINDLE_DISABLE_PREFILL_TILES", "SPINDLE_PREFILL_TILES_AVX2",
+               "SPINDLE_DISABLE_DECODE_PAIRS"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_switches_keep_the_outputs(dtype, switch) -> None:
     """SPINDLE_DISABLE_L2_PREFETCH=1 (prefetcht0), SPINDLE_DISABLE_PREFILL_TILES=1 (prefill tiles
-    through the per-query loop) and SPINDLE_PREFILL_TILES_AVX2=1 (the tiles' 8-lane form, what an
-    AVX2-only CPU runs, on a CPU with AVX-512 too) run the same kernel otherwise: the outputs
+    through the per-query loop), SPINDLE_PREFILL_TILES_AVX2=1 (the tiles' 8-lane form, what an
+    AVX2-only CPU runs, on a CPU with AVX-512 too) and SPINDLE_DISABLE_DECODE_PAIRS=1 (bf16
+    decode widened block by block, what a CPU without AVX512-BF16 runs) run the same kernel
+    otherwise: the outputs
     still match the reference, decode and prefill rows (read once per process, so in a fresh
     interpreter)."""
     probe = f"""

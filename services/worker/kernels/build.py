@@ -59,7 +59,8 @@ SOURCES = tuple(_CSRC / name for name in (
     "decoder_stack.cpp", "work_pool.cpp", "linear_mid_m.cpp", "build_info.cpp"))
 # Not compiled on their own, but part of a build's key.
 HEADERS = (_CSRC / "fused_ops.h", _CSRC / "vec_math.h", _CSRC / "kernel_ops.h", _CSRC / "work_pool.h",
-           _CSRC / "linear_mid_m.h", _CSRC / "env_flag.h", _CSRC / "linear_out.h", _CSRC / "prefill_lanes.h")
+           _CSRC / "linear_mid_m.h", _CSRC / "env_flag.h", _CSRC / "linear_out.h", _CSRC / "prefill_lanes.h",
+           _CSRC / "decode_pairs.h")
 OPTIMIZE = ("-O3",)
 CXX_FLAGS = ("-fopenmp", "-std=c++20", "-fPIC", "-shared", "-DNDEBUG")
 # x86 only (gcc for Arm has no such option: with it a native Arm build failed): 256-bit vectors

@@ -52,6 +52,10 @@
 // fp32 66.9-68.7 -> 54.9-61.1, bf16 35.7-38.8 -> 34.1-34.3; built without AVX-512 (the AVX2
 // path of a Zen 3) small 17.0 -> 15.2-16.2, bf16 20.8-21.0 -> 18.6-18.7.
 //
+// Decode with bf16 queries over a bf16 cache (`--dtype bfloat16`) on a CPU with AVX512-BF16
+// reads each head-block where it lies, scores and weighted sum on vdpbf16ps pairs
+// (`accumulate_pairs`, decode_pairs.h) instead of widening it into the fp32 buffer first.
+//
 // Rotary embedding (optional: positions, cos and sin given): queries are rotated as they are
 // loaded into the item's fp32 buffer and keys as they are written to the cache, so the decoder
 // skips torch's rotary ops (models/rope.py) and the rotated q and k never exist as tensors.
@@ -70,6 +74,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "decode_pairs.h"
 #include "env_flag.h"
 #include "fused_ops.h"
 #include "kernel_ops.h"
@@ -108,6 +113,13 @@ inline bool l2_prefetch_disabled() {
 #if defined(__AVX2__) && defined(__FMA__)
 #define SPINDLE_PREFILL_TILES 1
 #endif
+
+// SPINDLE_DISABLE_DECODE_PAIRS=1: decode on a bf16 cache with bf16 queries widens each block and
+// takes `accumulate`, as before 2026-11-30, instead of `accumulate_pairs` (side-by-side runs).
+inline bool decode_pairs_disabled() {
+  static const bool disabled = env_flag("SPINDLE_DISABLE_DECODE_PAIRS");
+  return disabled;
+}
 
 // SPINDLE_DISABLE_PREFILL_TILES=1: prefill tiles take the per-query loop (`accumulate`) as
 // before 2026-11-30, instead of `run_tiles` (side-by-side runs).
@@ -200,6 +212,8 @@ class ItemKernel {
     k_.resize(BS * D);
     v_.resize(BS * D);
     scores_.resize(kHeadTile * BS);
+    const bool pairs = nq == 1 && pairs_usable();  // decode on bf16 pairs: queries kept unscaled, in bf16
+    const float q_scale = pairs ? 1.0f : s_.scale;
     for (int64_t i = 0; i < nq; ++i) {  // queries in fp32, rotated where asked, pre-scaled
       const int64_t token = query_start_loc_[row] + q_begin + i;
       const q_t* src = query_ + token * s_.q_stride + kh_begin * G * D;
@@ -208,12 +222,16 @@ class ItemKernel {
         if (rope_.cos != nullptr) {
           for (int64_t h = 0; h < heads; ++h)
             rope_row(src + h * D, rope_.cos_row(token), rope_.sin_row(token), dst + h * D, rope_.rotary_dim, D,
-                     s_.scale);
+                     q_scale);
           continue;
         }
       }
 #pragma omp simd
-      for (int64_t e = 0; e < heads * D; ++e) dst[e] = to_float(src[e]) * s_.scale;
+      for (int64_t e = 0; e < heads * D; ++e) dst[e] = to_float(src[e]) * q_scale;
+    }
+    if (pairs) {  // exact: a bf16 query, rotated as torch rounds, is a bf16 value in fp32
+      qb_.resize(nv * D);
+      for (int64_t e = 0; e < nv * D; ++e) qb_[e] = from_float<c10::BFloat16>(q_[e]);
     }
     const int64_t last_pos = first_pos + q_end - 1;
     const int64_t lo = key_lo(first_pos + q_begin), hi = last_pos + 1;  // keys any query here sees
@@ -246,7 +264,8 @@ class ItemKernel {
           next = raw(table[b + 1], kh_begin);
         }
         const Raw* pending = next.k != nullptr ? &next : nullptr;
-        const Block block = load_block(table[b], kh);
+        const Raw here = raw(table[b], kh);
+        const Block block = pairs ? Block{} : load_block(table[b], kh);
         for (int64_t i = 0; i < nq; ++i) {
           const int64_t pos = first_pos + q_begin + i;
           const int64_t a = std::max(key_lo(pos), j0) - j0, e = std::min(pos + 1, j0 + BS) - j0;
@@ -254,10 +273,10 @@ class ItemKernel {
           const int64_t qv = i * heads + (kh - kh_begin) * G;
           for (int64_t h = 0; h < G; h += kHeadTile) {  // query heads of the group, up to 4 at once
             switch (std::min<int64_t>(kHeadTile, G - h)) {
-              case 4: accumulate<4>(qv + h, a, e, block, pending); break;
-              case 3: accumulate<3>(qv + h, a, e, block, pending); break;
-              case 2: accumulate<2>(qv + h, a, e, block, pending); break;
-              default: accumulate<1>(qv + h, a, e, block, pending); break;
+              case 4: step<4>(pairs, qv + h, a, e, block, here, pending); break;
+              case 3: step<3>(pairs, qv + h, a, e, block, here, pending); break;
+              case 2: step<2>(pairs, qv + h, a, e, block, here, pending); break;
+              default: step<1>(pairs, qv + h, a, e, block, here, pending); break;
             }
             pending = nullptr;
           }
@@ -334,6 +353,48 @@ class ItemKernel {
       return {k_.data(), v_.data(), D};
     }
   }
+
+  // Whether decode takes `accumulate_pairs` (decode_pairs.h): bf16 queries over a bf16 cache on
+  // a CPU with AVX512-BF16, head_dim in whole 32-element steps, 16-key blocks.
+  bool pairs_usable() const {
+#ifdef SPINDLE_DECODE_PAIRS
+    if constexpr (std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16>) {
+      return s_.head_dim % 32 == 0 && s_.block_size == kPairsBlock && !decode_pairs_disabled();
+    }
+#endif
+    return false;
+  }
+
+  // One online softmax step of NH query vectors over keys [a, e) of a head-block: on bf16 pairs
+  // read in place (`pairs`), else on the fp32 rows of `blk`.
+  template <int NH>
+  void step(bool pairs, int64_t qv0, int64_t a, int64_t e, const Block& blk, const Raw& here, const Raw* next) {
+#ifdef SPINDLE_DECODE_PAIRS
+    if constexpr (std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16>) {
+      if (pairs) return accumulate_pairs<NH>(qv0, a, e, here, next);
+    }
+#endif
+    accumulate<NH>(qv0, a, e, blk, next);
+  }
+
+#ifdef SPINDLE_DECODE_PAIRS
+  // `accumulate` for bf16 queries (qb_, unscaled) over the bf16 head-block `here`, read where it
+  // lies: scores and the weighted sum over values on vdpbf16ps pairs (decode_pairs.h). The same
+  // prefetch of `next` as `accumulate`.
+  template <int NH>
+  void accumulate_pairs(int64_t qv0, int64_t a, int64_t e, const Raw& here, const Raw* next) {
+    const int64_t D = s_.head_dim, BS = s_.block_size;
+    const auto* k = reinterpret_cast<const c10::BFloat16*>(here.k);
+    const auto* v = reinterpret_cast<const c10::BFloat16*>(here.v);
+    float* s = scores_.data();  // [NH][BS]
+    if (next != nullptr) prefetch_keys(*next);
+    for (int h = 0; h < NH; ++h) score_pairs(qb_.data() + (qv0 + h) * D, k, s_.token_stride, D, a, e, s_.scale, s + h * BS);
+    float alpha[NH];
+    for (int h = 0; h < NH; ++h) alpha[h] = softmax_step(qv0 + h, s + h * BS, a, e);
+    if (next != nullptr) prefetch_values(*next);
+    weigh_values_pairs<NH>(acc_.data() + qv0 * D, D, alpha, s, BS, a, e, v, s_.token_stride);
+  }
+#endif
 
   // Online softmax step of the NH query vectors qv0.. (heads sharing one KV head) over keys
   // [a, e) of the loaded block. Each key row is loaded once for all NH heads, and the fixed-size
@@ -609,6 +670,7 @@ class ItemKernel {
   const int64_t* seq_lens_;
   const int64_t* query_start_loc_;
   std::vector<float> q_, acc_, max_, sum_, k_, v_, scores_;
+  std::vector<c10::BFloat16> qb_;  // decode on bf16 pairs: the queries, unscaled
 };
 
 // Stores this pass's keys (rotated first where `rope` says) and values at their slots,
