@@ -103,7 +103,7 @@ def test_a_build_that_will_not_load_gives_way_to_the_next_and_a_failure_is_remem
 
     first, second = target_named("x86-64-v4-bf16"), target_named("x86-64-v3")
     monkeypatch.setattr(build, "candidate_targets", lambda: [first, second])
-    monkeypatch.setattr(build, "ensure_built", lambda target: Path(f"/cache/{target.name}.so"))
+    monkeypatch.setattr(build, "ensure_built", lambda target, retry_failed=False: Path(f"/cache/{target.name}.so"))
     loaded: list[str] = []
 
     def load_library(path: str) -> None:
@@ -146,7 +146,8 @@ def test_targets_family_builds_every_family_of_this_machine(monkeypatch: pytest.
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     """What the image's build stage runs (`--targets family`), on x86 and on Arm."""
     built: list[str] = []
-    monkeypatch.setattr(build, "ensure_built", lambda target: built.append(target.name) or Path(target.name))
+    monkeypatch.setattr(build, "ensure_built",
+                        lambda target, retry_failed=False: built.append(target.name) or Path(target.name))
     for machine, expected in (("x86_64", ["x86-64-v4-bf16", "x86-64-v4", "x86-64-v3", "x86-64"]),
                               ("aarch64", ["armv8-a"])):
         monkeypatch.setattr(platform, "machine", lambda machine=machine: machine)
@@ -220,6 +221,33 @@ def test_auto_falls_back_to_a_family_build_when_the_native_build_fails(tmp_path:
     assert "loaded the x86-64-v3 build instead" in got.stderr
     alone = _python(LOADED, CXX=str(broken), SPINDLE_KERNEL_CACHE=str(tmp_path / "empty"), **{TARGET_ENV: "auto"})
     assert alone.returncode != 0 and "the native build failed: compiler exited 1" in alone.stderr
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (the compile flags come from torch's headers)")
+def test_a_failed_compile_is_not_run_again_at_each_start(tmp_path: Path) -> None:
+    """A worker start after a failed native compile does not run it again (a crash-looping pod or
+    `--workers N` would each wait for it, up to the compiler's timeout); an explicit build (`make
+    install`) and a changed compiler do."""
+    calls = tmp_path / "calls"
+    broken = tmp_path / "g++"
+    broken.write_text(f"#!/bin/sh\necho run >> {calls}\necho 'cc1plus: internal compiler error' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    env = {"CXX": str(broken), "SPINDLE_KERNEL_CACHE": str(tmp_path / "cache"), TARGET_ENV: "native"}
+
+    def runs() -> int:
+        return len(calls.read_text().splitlines()) if calls.exists() else 0
+
+    first = _python(LOADED, **env)
+    assert first.returncode != 0 and "compiler exited 1: cc1plus: internal compiler error" in first.stderr
+    assert runs() == 1
+    again = _python(LOADED, **env)
+    assert again.returncode != 0 and runs() == 1
+    assert "internal compiler error (an earlier compile with this compiler, not run again" in again.stderr
+    explicit = subprocess.run([sys.executable, "-m", "services.worker.kernels.build"], cwd=REPO,
+                              env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    assert "unavailable (the native build failed: compiler exited 1" in explicit.stdout and runs() == 2
+    os.utime(broken, ns=(0, 0))  # another compiler (an upgrade): tried again
+    assert _python(LOADED, **env).returncode != 0 and runs() == 3
 
 
 # (target, an instruction set its build must have or None, one it must not)

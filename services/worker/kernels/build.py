@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -68,6 +69,7 @@ CXX_FLAGS = ("-fopenmp", "-std=c++20", "-fPIC", "-shared", "-DNDEBUG")
 # accumulators in registers, which 128-bit vectors spill (measured: -25 % time).
 X86_FLAGS = ("-mprefer-vector-width=256",)
 BUILD_TIMEOUT_S = 600.0
+FAILED_RECORD = "failed.json"  # beside a build whose compile failed: the compiler and the error
 CACHE_ENV = "SPINDLE_KERNEL_CACHE"  # folder of builds; default ~/.cache/spindle/kernels
 DISABLE_ENV = "SPINDLE_DISABLE_KERNELS"  # set to 1: never build or load (tests of the fallback)
 
@@ -219,7 +221,8 @@ def _compile_command(target: KernelTarget, output: Path) -> list[str]:
 
 
 def build(kernel_target: KernelTarget, target: Path) -> None:
-    """Compile `kernel_target`'s build into `target` (atomically: a reader never sees a half-written library)."""
+    """Compile `kernel_target`'s build into `target` (atomically: a reader never sees a half-written
+    library). A compile that fails or times out is remembered beside it (`failed_build`)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
@@ -228,16 +231,62 @@ def build(kernel_target: KernelTarget, target: Path) -> None:
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         except subprocess.TimeoutExpired as exc:
-            raise KernelBuildError(f"compiler timed out after {BUILD_TIMEOUT_S:.0f} s") from exc
+            raise _remember_failure(target, f"compiler timed out after {BUILD_TIMEOUT_S:.0f} s") from exc
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-            raise KernelBuildError(f"compiler exited {proc.returncode}: {' | '.join(tail)}")
+            raise _remember_failure(target, f"compiler exited {proc.returncode}: {' | '.join(tail)}")
         os.replace(out, target)
+    failure_record(target).unlink(missing_ok=True)  # a retry that worked
     logger.info("built %s in %.1f s", target, time.monotonic() - start)
 
 
-def ensure_built(kernel_target: KernelTarget) -> Path:
-    """Path of `kernel_target`'s build, compiling it first when missing (one builder at a time)."""
+def failure_record(target: Path) -> Path:
+    """Where a failed compile of the build `target` is remembered (beside it, under its key)."""
+    return target.parent / FAILED_RECORD
+
+
+def _compiler_identity() -> str:
+    """The compiler as a failure record names it: its real path, size and modification time, so that
+    a new or updated compiler gets a fresh try."""
+    cxx = compiler()
+    if cxx is None:
+        return "none"
+    st = os.stat(cxx)
+    return f"{os.path.realpath(cxx)} {st.st_size} {st.st_mtime_ns}"
+
+
+def _remember_failure(target: Path, reason: str) -> KernelBuildError:
+    """Record why `target` did not compile, and return the error to raise."""
+    try:
+        failure_record(target).write_text(json.dumps({"compiler": _compiler_identity(), "error": reason}))
+    except OSError as exc:  # the failure itself matters more than remembering it
+        logger.warning("could not record the failed compile in %s: %s", failure_record(target), exc)
+    return KernelBuildError(reason)
+
+
+def failed_build(target: Path) -> str | None:
+    """Why the last compile of `target` with this compiler failed, None when it has not.
+
+    Why remembered: a worker that finds no usable build compiles at start-up, so without this
+    every start (every restart of a crash-looping pod, every process of `--workers N`) ran a
+    compile known to fail again, seconds for an error and up to BUILD_TIMEOUT_S for a compiler
+    that hangs, before falling back. An explicit build (`make install`, `python -m
+    services.worker.kernels.build`) and a changed compiler try again.
+    """
+    try:
+        record = json.loads(failure_record(target).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("compiler") != _compiler_identity():
+        return None
+    return str(record.get("error", "unknown error"))
+
+
+def ensure_built(kernel_target: KernelTarget, retry_failed: bool = False) -> Path:
+    """Path of `kernel_target`'s build, compiling it first when missing (one builder at a time).
+
+    A build whose compile failed before with the same compiler raises its error again without
+    compiling, unless `retry_failed` (`failed_build` says why)."""
     target = target_library(kernel_target)
     if target.is_file():
         return target
@@ -245,6 +294,10 @@ def ensure_built(kernel_target: KernelTarget) -> Path:
     with open(target.parent / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same key
         if not target.is_file():
+            earlier = None if retry_failed else failed_build(target)
+            if earlier is not None:
+                raise KernelBuildError(f"{earlier} (an earlier compile with this compiler, not run again; "
+                                       "`make install` retries it)")
             logger.info("compiling CPU kernels for %s into %s", kernel_target.name, target.parent)
             build(kernel_target, target)
     return target
@@ -253,7 +306,7 @@ def ensure_built(kernel_target: KernelTarget) -> Path:
 _outcome: KernelTarget | KernelBuildError | None = None  # what load_kernels got: kept, never retried
 
 
-def load_kernels() -> KernelTarget:
+def load_kernels(retry_failed: bool = False) -> KernelTarget:
     """Make `torch.ops.spindle.*` available in this process, building first if needed; returns the
     target whose build it loaded (what the process runs after).
 
@@ -261,11 +314,12 @@ def load_kernels() -> KernelTarget:
     load), the next; a fallback is logged with the reason. Raises `KernelBuildError` when none
     loads. The first call's outcome is kept: later calls return or raise it without retrying (a
     worker has several callers, and a failing native compile may run to its timeout).
+    `retry_failed`: compile again a build whose compile failed before (`ensure_built`).
     """
     global _outcome
     if _outcome is None:
         try:
-            _outcome = _load_first_candidate()
+            _outcome = _load_first_candidate(retry_failed)
         except KernelBuildError as exc:
             _outcome = exc
     if isinstance(_outcome, KernelBuildError):
@@ -279,13 +333,13 @@ def forget_load_outcome() -> None:
     _outcome = None
 
 
-def _load_first_candidate() -> KernelTarget:
+def _load_first_candidate(retry_failed: bool) -> KernelTarget:
     if switch_on(DISABLE_ENV):
         raise KernelBuildError(f"disabled by {DISABLE_ENV}")
     failures: list[str] = []
     for target in candidate_targets():
         try:
-            torch.ops.load_library(str(ensure_built(target)))
+            torch.ops.load_library(str(ensure_built(target, retry_failed)))
         except Exception as exc:  # KernelBuildError, OSError from the loader, a read-only cache ...
             reason = str(exc) if isinstance(exc, KernelBuildError) else f"{type(exc).__name__}: {exc}"
             failures.append(f"the {target.name} build failed: {reason}")
@@ -349,13 +403,13 @@ def main(argv: list[str] | None = None) -> int:
             return 1 if args.strict else 0
         for name in names:
             try:
-                print(f"spindle CPU kernels for {name}: {ensure_built(target_named(name))}")
+                print(f"spindle CPU kernels for {name}: {ensure_built(target_named(name), retry_failed=True)}")
             except (KernelBuildError, ValueError) as exc:
                 print(f"spindle CPU kernels for {name} failed: {exc}")
                 failed = True
         return 1 if failed and args.strict else 0
     try:
-        target = load_kernels()
+        target = load_kernels(retry_failed=True)  # an explicit build tries a failed compile again
     except KernelBuildError as exc:
         print(f"spindle CPU kernels unavailable ({exc}); workers will use the sdpa backend")
         return 1 if args.strict else 0
