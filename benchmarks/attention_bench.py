@@ -4,7 +4,7 @@ Two batch shapes of 64 rows on the medium benchmark model (hidden 1024, 8 layers
 KV heads of 64; `--model small`: 4 layers, 8 / 2 heads of 32), fp32 (`--dtype bfloat16`: the
 model, queries and cache in bf16, as the worker's `--dtype bfloat16`), one new token per row;
 `--kv-cache-dtypes float32,bfloat16` times the paged backend on each of those caches
-(`--kv-cache-dtype`; a cache of another dtype than the queries' is read widened block by block):
+(`--kv-cache-dtype`; a 16-bit cache under fp32 queries is read widened block by block):
 
 - equal: every row has the same context (`--contexts`, each a shape);
 - skewed: one row of `--long` tokens and 63 of `--short` (issue 14: with a gathered, padded
@@ -126,8 +126,8 @@ def time_shape(model: torch.nn.Module, backends: dict[str, tuple[AttentionBacken
     label's backend on a cache of its dtype."""
     config = model.config
     num_blocks = int((-(-seq_lens // BLOCK_SIZE)).sum()) + 8
-    caches_in = {(layout, dtype): random_kv_caches(config, num_blocks, layout, dtype)  # each backend's layout
-                 for layout, dtype in {(b.head_major_cache, dtype) for b, dtype in backends.values()}}
+    caches_in = {(layout, kv): random_kv_caches(config, num_blocks, layout, kv)  # each backend's layout
+                 for layout, kv in {(b.head_major_cache, kv) for b, kv in backends.values()}}
     common = decode_metadata(seq_lens, num_blocks)
     gen = torch.Generator().manual_seed(0)
     t, h, kvh, d = len(seq_lens), config.num_heads, config.num_kv_heads, config.head_dim
@@ -136,9 +136,9 @@ def time_shape(model: torch.nn.Module, backends: dict[str, tuple[AttentionBacken
     positions = torch.from_numpy(seq_lens - 1)
     spec = model.layers[0].self_attn.spec
     results = {}
-    for name, (backend, dtype) in backends.items():
+    for name, (backend, kv_dtype) in backends.items():
         builder = backend.metadata_builder()
-        caches = caches_in[backend.head_major_cache, dtype]
+        caches = caches_in[backend.head_major_cache, kv_dtype]
 
         def attention(backend: AttentionBackend = backend, builder=builder, caches=caches) -> None:
             meta = builder.build(common, [])
@@ -166,8 +166,8 @@ def time_prefill(model: torch.nn.Module, backends: dict[str, tuple[AttentionBack
                for n in (config.num_heads, config.num_kv_heads, config.num_kv_heads))
     spec = model.layers[0].self_attn.spec
     results = {}
-    for name, (backend, dtype) in backends.items():
-        caches = random_kv_caches(config, num_blocks, backend.head_major_cache, dtype)
+    for name, (backend, kv_dtype) in backends.items():
+        caches = random_kv_caches(config, num_blocks, backend.head_major_cache, kv_dtype)
         meta = backend.metadata_builder().build(common, [])
 
         def attention(backend: AttentionBackend = backend, meta=meta, caches=caches) -> None:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
@@ -223,11 +224,10 @@ def test_auto_falls_back_to_a_family_build_when_the_native_build_fails(tmp_path:
     assert alone.returncode != 0 and "the native build failed: compiler exited 1" in alone.stderr
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (the compile flags come from torch's headers)")
 def test_a_failed_compile_is_not_run_again_at_each_start(tmp_path: Path) -> None:
     """A worker start after a failed native compile does not run it again (a crash-looping pod or
     `--workers N` would each wait for it, up to the compiler's timeout); an explicit build (`make
-    install`) and a changed compiler do."""
+    install`), a changed compiler and a record a day old do, and a compile that works clears it."""
     calls = tmp_path / "calls"
     broken = tmp_path / "g++"
     broken.write_text(f"#!/bin/sh\necho run >> {calls}\necho 'cc1plus: internal compiler error' >&2\nexit 1\n")
@@ -242,12 +242,25 @@ def test_a_failed_compile_is_not_run_again_at_each_start(tmp_path: Path) -> None
     assert runs() == 1
     again = _python(LOADED, **env)
     assert again.returncode != 0 and runs() == 1
-    assert "internal compiler error (an earlier compile with this compiler, not run again" in again.stderr
+    assert "internal compiler error (at " in again.stderr and "with this compiler: not compiled again" in again.stderr
     explicit = subprocess.run([sys.executable, "-m", "services.worker.kernels.build"], cwd=REPO,
                               env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
     assert "unavailable (the native build failed: compiler exited 1" in explicit.stdout and runs() == 2
     os.utime(broken, ns=(0, 0))  # another compiler (an upgrade): tried again
     assert _python(LOADED, **env).returncode != 0 and runs() == 3
+    [record] = (tmp_path / "cache").glob(f"*/{build.FAILED_RECORD}")
+    stale = json.loads(record.read_text())
+    record.write_text(json.dumps({**stale, "at": stale["at"] - build.FAILED_RETRY_S}))  # a day old
+    assert _python(LOADED, **env).returncode != 0 and runs() == 4
+    record.write_text("{not json")  # a torn record counts as none
+    assert _python(LOADED, **env).returncode != 0 and runs() == 5
+    works = tmp_path / "works"  # a compiler that makes a library: the record goes
+    works.write_text("#!/bin/sh\nwhile [ \"$1\" != -o ]; do shift; done\ntouch \"$2\"\n")
+    works.chmod(0o755)
+    made = _python("from services.worker.kernels import build; from services.worker.kernels.targets import NATIVE; "
+                   "print(build.ensure_built(NATIVE))", **{**env, "CXX": str(works)})
+    assert made.returncode == 0, made.stderr[-2000:]
+    assert Path(made.stdout.split()[-1]).is_file() and not record.exists()
 
 
 # (target, an instruction set its build must have or None, one it must not)

@@ -45,7 +45,9 @@ def _reference(q, k, v, first_pos, window, softcap, scale):
 def _case(seed, heads, kv_heads, head_dim, block_size, dtype, rows=ROWS, head_major=False):
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // block_size) for n, _ in rows) + 5
-    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    # Rows no pass has written hold NaN: a kernel that reads one (to pad a block, a pair of keys)
+    # must not let it reach an output.
+    cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
     if head_major:  # the same values, each block's heads apart in memory (kv_cache.py)
         cache = cache.transpose(2, 3).contiguous().transpose(2, 3)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
@@ -89,23 +91,25 @@ def _case(seed, heads, kv_heads, head_dim, block_size, dtype, rows=ROWS, head_ma
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size", "window", "softcap"),
     [(8, 2, 64, 16, None, None), (4, 4, 32, 4, 7, None), (6, 1, 16, 8, 20, 5.0), (16, 4, 128, 16, 1, None),
-     (6, 2, 40, 16, None, None)],  # 3 heads a KV head; 40 = a pass of 32 values + one of 8
+     (6, 2, 40, 16, None, None),  # 3 heads a KV head; 40 = a pass of 32 values + one of 8
+     (12, 4, 64, 16, None, 30.0), (16, 2, 32, 16, 9, None)],  # 3 and 8 heads a KV head on bf16 pairs
 )
 def test_kernel_matches_dense_reference(dtype, heads, kv_heads, head_dim, block_size, window, softcap,
                                         head_major) -> None:
     _check_against_reference(dtype, heads, kv_heads, head_dim, block_size, window, softcap, ROWS, head_major)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "threads", "block_size"),
-                         [(ROWS, 1, 8), (ROWS[5:7], 2, 8), ([(300, 40), (64, 1)], 2, 16)])
-def test_items_over_all_kv_heads_and_one_kv_head_each(rows, threads, block_size) -> None:
+                         [(ROWS, 1, 8), (ROWS[5:7], 2, 16), ([(300, 40), (64, 1)], 2, 16)])
+def test_items_over_all_kv_heads_and_one_kv_head_each(rows, threads, block_size, dtype) -> None:
     """With 4+ items per thread an item spans every KV head (blocks read front to back); with fewer,
     each KV head is a piece of work of its own, so one long row still spreads over the threads
     (the last case: prefill tiles of one KV head each)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        _check_against_reference(torch.float32, 8, 4, 32, block_size, None, None, rows, head_major=True)
+        _check_against_reference(dtype, 8, 4, 32, block_size, None, None, rows, head_major=True)
     finally:
         torch.set_num_threads(previous)
 
@@ -152,8 +156,33 @@ print("ok")
     assert result.stdout.strip().splitlines()[-1] == "ok"
 
 
+def test_bf16_decode_runs_on_pairs_where_the_cpu_has_them(tmp_path) -> None:
+    """With AVX512-BF16 in the build, bf16 decode rows take vdpbf16ps pairs (decode_pairs.h): their
+    outputs differ from the widening path's (SPINDLE_DISABLE_DECODE_PAIRS=1) in the last bf16
+    place here and there (the weights meet the values rounded to bf16), and both match the
+    reference. Elsewhere the two are one path, and this has nothing to compare."""
+    if "avx512_bf16" not in build.kernel_instruction_sets():
+        pytest.skip("the kernels were built without AVX512-BF16")
+    args = "torch.bfloat16, 8, 2, 64, 16, None, None, ROWS, head_major=True"
+    probe = f"""
+import torch
+from tests.worker.test_paged_attention import ROWS, _check_against_reference
+torch.save(_check_against_reference({args}), {str(tmp_path / "widened.pt")!r})
+"""
+    result = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[2],
+                            env={**os.environ, "SPINDLE_DISABLE_DECODE_PAIRS": "1"}, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    widened = torch.load(tmp_path / "widened.pt")
+    pairs = _check_against_reference(torch.bfloat16, 8, 2, 64, 16, None, None, ROWS, head_major=True)
+    starts = np.concatenate(([0], np.cumsum([q for _, q in ROWS])))
+    decode = [int(starts[r]) for r, (_, q) in enumerate(ROWS) if q == 1]
+    assert not torch.equal(pairs[decode], widened[decode])
+
+
 def _check_against_reference(dtype, heads, kv_heads, head_dim, block_size, window, softcap, rows,
-                             head_major=False) -> None:
+                             head_major=False) -> torch.Tensor:
+    """The kernel's output on `_case`'s inputs, checked row by row against the dense reference."""
     cache, common, query, key, value, full_k, full_v = _case(0, heads, kv_heads, head_dim, block_size, dtype, rows,
                                                              head_major)
     layout = cache.stride()
@@ -173,6 +202,7 @@ def _check_against_reference(dtype, heads, kv_heads, head_dim, block_size, windo
     written = cache[:, slots // block_size, slots % block_size]  # [2, tokens, kv_heads, head_dim]
     assert torch.equal(written[0], key) and torch.equal(written[1], value)
     assert cache.stride() == layout  # written in place, in its own layout
+    return out
 
 
 def _with_softcap(spec: LayerAttentionSpec, softcap: float):

@@ -31,6 +31,7 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -69,7 +70,8 @@ CXX_FLAGS = ("-fopenmp", "-std=c++20", "-fPIC", "-shared", "-DNDEBUG")
 # accumulators in registers, which 128-bit vectors spill (measured: -25 % time).
 X86_FLAGS = ("-mprefer-vector-width=256",)
 BUILD_TIMEOUT_S = 600.0
-FAILED_RECORD = "failed.json"  # beside a build whose compile failed: the compiler and the error
+FAILED_RECORD = "failed.json"  # beside a build whose compile failed: the compiler, the error, when
+FAILED_RETRY_S = 24 * 3600.0  # a remembered failure is tried again after this long
 CACHE_ENV = "SPINDLE_KERNEL_CACHE"  # folder of builds; default ~/.cache/spindle/kernels
 DISABLE_ENV = "SPINDLE_DISABLE_KERNELS"  # set to 1: never build or load (tests of the fallback)
 
@@ -228,16 +230,30 @@ def build(kernel_target: KernelTarget, target: Path) -> None:
         out = Path(tmp) / target.name
         cmd = _compile_command(kernel_target, out)
         start = time.monotonic()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        except subprocess.TimeoutExpired as exc:
-            raise _remember_failure(target, f"compiler timed out after {BUILD_TIMEOUT_S:.0f} s") from exc
+        proc = _run_compiler(cmd, target)
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-            raise _remember_failure(target, f"compiler exited {proc.returncode}: {' | '.join(tail)}")
+            reason = f"compiler exited {proc.returncode}: {' | '.join(tail)}"
+            if proc.returncode < 0:  # killed (out of memory, a signal): not the build's fault, not remembered
+                raise KernelBuildError(reason)
+            raise _remember_failure(target, reason)
         os.replace(out, target)
     failure_record(target).unlink(missing_ok=True)  # a retry that worked
     logger.info("built %s in %.1f s", target, time.monotonic() - start)
+
+
+def _run_compiler(cmd: list[str], target: Path) -> subprocess.CompletedProcess[str]:
+    """Run the compile; past BUILD_TIMEOUT_S kill it with its children (g++'s cc1plus outlives
+    a killed driver) and remember the timeout."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired as exc:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise _remember_failure(target, f"compiler timed out after {BUILD_TIMEOUT_S:.0f} s") from exc
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def failure_record(target: Path) -> Path:
@@ -257,21 +273,28 @@ def _compiler_identity() -> str:
 
 def _remember_failure(target: Path, reason: str) -> KernelBuildError:
     """Record why `target` did not compile, and return the error to raise."""
+    record = failure_record(target)
     try:
-        failure_record(target).write_text(json.dumps({"compiler": _compiler_identity(), "error": reason}))
+        record.write_text(json.dumps({"compiler": _compiler_identity(), "error": reason, "at": time.time()}))
     except OSError as exc:  # the failure itself matters more than remembering it
-        logger.warning("could not record the failed compile in %s: %s", failure_record(target), exc)
+        logger.warning("could not record the failed compile in %s: %s", record, exc)
+    else:
+        logger.warning("recorded the failed compile in %s: worker starts skip it for %.0f h or until the compiler "
+                       "changes; `python -m services.worker.kernels.build` retries it now", record,
+                       FAILED_RETRY_S / 3600)
     return KernelBuildError(reason)
 
 
 def failed_build(target: Path) -> str | None:
-    """Why the last compile of `target` with this compiler failed, None when it has not.
+    """Why the last compile of `target` with this compiler failed, less than FAILED_RETRY_S ago;
+    None when it has not.
 
     Why remembered: a worker that finds no usable build compiles at start-up, so without this
     every start (every restart of a crash-looping pod, every process of `--workers N`) ran a
     compile known to fail again, seconds for an error and up to BUILD_TIMEOUT_S for a compiler
     that hangs, before falling back. An explicit build (`make install`, `python -m
-    services.worker.kernels.build`) and a changed compiler try again.
+    services.worker.kernels.build`), a changed compiler and time (a fix elsewhere in the
+    toolchain, a timeout under load) try again; a compiler killed by a signal is not remembered.
     """
     try:
         record = json.loads(failure_record(target).read_text())
@@ -279,7 +302,13 @@ def failed_build(target: Path) -> str | None:
         return None
     if not isinstance(record, dict) or record.get("compiler") != _compiler_identity():
         return None
-    return str(record.get("error", "unknown error"))
+    at = record.get("at")
+    if not isinstance(at, int | float) or not 0 <= time.time() - at < FAILED_RETRY_S:
+        return None
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(at))
+    return (f"{record.get('error', 'unknown error')} (at {when}, with this compiler: not compiled again for "
+            f"{FAILED_RETRY_S / 3600:.0f} h; `python -m services.worker.kernels.build` retries now, as does "
+            f"removing {failure_record(target)})")
 
 
 def ensure_built(kernel_target: KernelTarget, retry_failed: bool = False) -> Path:
@@ -296,8 +325,7 @@ def ensure_built(kernel_target: KernelTarget, retry_failed: bool = False) -> Pat
         if not target.is_file():
             earlier = None if retry_failed else failed_build(target)
             if earlier is not None:
-                raise KernelBuildError(f"{earlier} (an earlier compile with this compiler, not run again; "
-                                       "`make install` retries it)")
+                raise KernelBuildError(earlier)
             logger.info("compiling CPU kernels for %s into %s", kernel_target.name, target.parent)
             build(kernel_target, target)
     return target
@@ -314,7 +342,8 @@ def load_kernels(retry_failed: bool = False) -> KernelTarget:
     load), the next; a fallback is logged with the reason. Raises `KernelBuildError` when none
     loads. The first call's outcome is kept: later calls return or raise it without retrying (a
     worker has several callers, and a failing native compile may run to its timeout).
-    `retry_failed`: compile again a build whose compile failed before (`ensure_built`).
+    `retry_failed`: compile again a build whose compile failed before (`ensure_built`); it acts
+    on the first call of a process only, since the outcome is kept.
     """
     global _outcome
     if _outcome is None:

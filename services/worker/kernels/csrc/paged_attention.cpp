@@ -214,7 +214,7 @@ class ItemKernel {
     scores_.resize(kHeadTile * BS);
     const bool pairs = nq == 1 && pairs_usable();  // decode on bf16 pairs: queries kept unscaled, in bf16
     const float q_scale = pairs ? 1.0f : s_.scale;
-    for (int64_t i = 0; i < nq; ++i) {  // queries in fp32, rotated where asked, pre-scaled
+    for (int64_t i = 0; i < nq; ++i) {  // queries in fp32, rotated where asked, scaled unless `pairs`
       const int64_t token = query_start_loc_[row] + q_begin + i;
       const q_t* src = query_ + token * s_.q_stride + kh_begin * G * D;
       float* dst = q_.data() + i * heads * D;
