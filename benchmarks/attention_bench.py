@@ -22,7 +22,7 @@ warm-up. The cache's blocks are shuffled over the pool, as a busy server leaves 
     python -m benchmarks.attention_bench --model medium-long --contexts 256 --prefill-contexts 512,2048,4096
 
 With `--dtype bfloat16` on a CPU with AVX512-BF16, decode runs on bf16 pairs read in place;
-`SPINDLE_DISABLE_DECODE_PAIRS=1` widens each block first, as before (side-by-side runs).
+`SPINDLE_DISABLE_ATTENTION_PAIRS=1` widens each block first, as before (side-by-side runs).
 
 `--prefill-contexts` adds a table for chunked prefill: one row whose last chunk of queries
 (`--prefill-chunk`, 2048) attends to a cached prompt of that many tokens, all layers, with

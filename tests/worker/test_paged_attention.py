@@ -131,13 +131,13 @@ def test_long_prefill_chunks_match_dense_reference(dtype, heads, kv_heads, head_
 
 @pytest.mark.parametrize(
     "switch", ["SPINDLE_DISABLE_L2_PREFETCH", "SPINDLE_DISABLE_PREFILL_TILES", "SPINDLE_PREFILL_TILES_AVX2",
-               "SPINDLE_DISABLE_DECODE_PAIRS"])
+               "SPINDLE_DISABLE_ATTENTION_PAIRS"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_switches_keep_the_outputs(dtype, switch) -> None:
     """SPINDLE_DISABLE_L2_PREFETCH=1 (prefetcht0), SPINDLE_DISABLE_PREFILL_TILES=1 (prefill tiles
     through the per-query loop), SPINDLE_PREFILL_TILES_AVX2=1 (the tiles' 8-lane form, what an
-    AVX2-only CPU runs, on a CPU with AVX-512 too) and SPINDLE_DISABLE_DECODE_PAIRS=1 (bf16
-    decode widened block by block, what a CPU without AVX512-BF16 runs) run the same kernel
+    AVX2-only CPU runs, on a CPU with AVX-512 too) and SPINDLE_DISABLE_ATTENTION_PAIRS=1 (bf16
+    blocks widened before they are scored, what a CPU without AVX512-BF16 runs) run the same kernel
     otherwise: the outputs
     still match the reference, decode and prefill rows (read once per process, so in a fresh
     interpreter)."""
@@ -156,10 +156,11 @@ print("ok")
     assert result.stdout.strip().splitlines()[-1] == "ok"
 
 
-def test_bf16_decode_runs_on_pairs_where_the_cpu_has_them(tmp_path) -> None:
-    """With AVX512-BF16 in the build, bf16 decode rows take vdpbf16ps pairs (decode_pairs.h): their
-    outputs differ from the widening path's (SPINDLE_DISABLE_DECODE_PAIRS=1) in the last bf16
-    place here and there (the weights meet the values rounded to bf16), and both match the
+def test_bf16_attention_runs_on_pairs_where_the_cpu_has_them(tmp_path) -> None:
+    """With AVX512-BF16 in the build, bf16 decode rows and prefill tiles score on vdpbf16ps pairs
+    (decode_pairs.h): their outputs differ from the widening path's
+    (SPINDLE_DISABLE_ATTENTION_PAIRS=1) in the last bf16 place here and there (the scale after the
+    dot product; in decode the weights meet the values rounded to bf16), and both match the
     reference. Elsewhere the two are one path, and this has nothing to compare."""
     if "avx512_bf16" not in build.kernel_instruction_sets():
         pytest.skip("the kernels were built without AVX512-BF16")
@@ -170,7 +171,7 @@ from tests.worker.test_paged_attention import ROWS, _check_against_reference
 torch.save(_check_against_reference({args}), {str(tmp_path / "widened.pt")!r})
 """
     result = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[2],
-                            env={**os.environ, "SPINDLE_DISABLE_DECODE_PAIRS": "1"}, capture_output=True, text=True,
+                            env={**os.environ, "SPINDLE_DISABLE_ATTENTION_PAIRS": "1"}, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     widened = torch.load(tmp_path / "widened.pt")
@@ -178,6 +179,8 @@ torch.save(_check_against_reference({args}), {str(tmp_path / "widened.pt")!r})
     starts = np.concatenate(([0], np.cumsum([q for _, q in ROWS])))
     decode = [int(starts[r]) for r, (_, q) in enumerate(ROWS) if q == 1]
     assert not torch.equal(pairs[decode], widened[decode])
+    tile = slice(int(starts[3]), int(starts[4]))  # the 40-token chunk: prefill tiles
+    assert not torch.equal(pairs[tile], widened[tile])
 
 
 def _check_against_reference(dtype, heads, kv_heads, head_dim, block_size, window, softcap, rows,

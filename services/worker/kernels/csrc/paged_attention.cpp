@@ -54,7 +54,8 @@
 //
 // Decode with bf16 queries over a bf16 cache (`--dtype bfloat16`) on a CPU with AVX512-BF16
 // reads each head-block where it lies, scores and weighted sum on vdpbf16ps pairs
-// (`accumulate_pairs`, decode_pairs.h) instead of widening it into the fp32 buffer first.
+// (`accumulate_pairs`, decode_pairs.h) instead of widening it into the fp32 buffer first; the
+// 16-lane prefill tiles take their scores on pairs too (`score_tile_pairs`).
 //
 // Rotary embedding (optional: positions, cos and sin given): queries are rotated as they are
 // loaded into the item's fp32 buffer and keys as they are written to the cache, so the decoder
@@ -114,10 +115,11 @@ inline bool l2_prefetch_disabled() {
 #define SPINDLE_PREFILL_TILES 1
 #endif
 
-// SPINDLE_DISABLE_DECODE_PAIRS=1: decode on a bf16 cache with bf16 queries widens each block and
-// takes `accumulate`, as before 2026-11-30, instead of `accumulate_pairs` (side-by-side runs).
-inline bool decode_pairs_disabled() {
-  static const bool disabled = env_flag("SPINDLE_DISABLE_DECODE_PAIRS");
+// SPINDLE_DISABLE_ATTENTION_PAIRS=1: bf16 queries over a bf16 cache widen each block and score on
+// fp32, as before 2026-11-30: decode through `accumulate`, not `accumulate_pairs`, and prefill
+// tiles without `score_tile_pairs` (side-by-side runs).
+inline bool attention_pairs_disabled() {
+  static const bool disabled = env_flag("SPINDLE_DISABLE_ATTENTION_PAIRS");
   return disabled;
 }
 
@@ -212,7 +214,17 @@ class ItemKernel {
     k_.resize(BS * D);
     v_.resize(BS * D);
     scores_.resize(kHeadTile * BS);
-    const bool pairs = nq == 1 && pairs_usable();  // decode on bf16 pairs: queries kept unscaled, in bf16
+    // Prefill tiles: several query vectors a KV head, each key read once for all of them (run_tiles).
+    bool tiles = false, lanes16 = false;
+#ifdef SPINDLE_PREFILL_TILES
+    tiles = nq > 1 && nq * G >= kMinTileVectors && BS == kTileKeys && D % 8 == 0 && s_.softcap == 0.0f &&
+            !prefill_tiles_disabled();
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    lanes16 = !avx2_tiles_forced();
+#endif
+#endif
+    // bf16 pairs (decode_pairs.h) for decode and the 16-lane tiles' scores: queries kept unscaled, in bf16.
+    const bool pairs = pairs_usable() && (nq == 1 || (tiles && lanes16));
     const float q_scale = pairs ? 1.0f : s_.scale;
     for (int64_t i = 0; i < nq; ++i) {  // queries in fp32, rotated where asked, scaled unless `pairs`
       const int64_t token = query_start_loc_[row] + q_begin + i;
@@ -237,13 +249,13 @@ class ItemKernel {
     const int64_t lo = key_lo(first_pos + q_begin), hi = last_pos + 1;  // keys any query here sees
     const int64_t* table = block_tables_ + row * s_.bt_stride;
 #ifdef SPINDLE_PREFILL_TILES
-    if (nq > 1 && nq * G >= kMinTileVectors && BS == kTileKeys && D % 8 == 0 && s_.softcap == 0.0f && !prefill_tiles_disabled()) {
+    if (tiles) {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
-      if (!avx2_tiles_forced()) {
-        run_tiles<Lanes16>(table, lo, hi, first_pos + q_begin, nq, heads, G, kh_begin, kh_end);
+      if (lanes16) {
+        run_tiles<Lanes16>(table, lo, hi, first_pos + q_begin, nq, heads, G, kh_begin, kh_end, pairs);
       } else
 #endif
-      run_tiles<Lanes8>(table, lo, hi, first_pos + q_begin, nq, heads, G, kh_begin, kh_end);
+      run_tiles<Lanes8>(table, lo, hi, first_pos + q_begin, nq, heads, G, kh_begin, kh_end, false);
       write_out(row, q_begin, nq, heads, kh_begin * G);
       return;
     }
@@ -359,7 +371,7 @@ class ItemKernel {
   bool pairs_usable() const {
 #ifdef SPINDLE_DECODE_PAIRS
     if constexpr (std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16>) {
-      return s_.head_dim % 32 == 0 && s_.block_size == kPairsBlock && !decode_pairs_disabled();
+      return s_.head_dim % 32 == 0 && s_.block_size == kPairsBlock && !attention_pairs_disabled();
     }
 #endif
     return false;
@@ -532,10 +544,11 @@ class ItemKernel {
   // sliding-window bound, or padding past the tile) take -inf scores and weigh 0; a key row no
   // lane sees is never read (it may not be written yet). The same online softmax and
   // exponential as `accumulate`: only the order of the sums differs. Results go to acc_ and sum_
-  // as `accumulate`'s do.
+  // as `accumulate`'s do. `pairs` (bf16 queries, unscaled, over a bf16 cache; 16 lanes): the
+  // scores on vdpbf16ps pairs read from the cache in place (decode_pairs.h, score_tile_pairs).
   template <typename L>
   void run_tiles(const int64_t* table, int64_t lo, int64_t hi, int64_t pos0, int64_t nq, int64_t heads, int64_t G,
-                 int64_t kh_begin, int64_t kh_end) {
+                 int64_t kh_begin, int64_t kh_end, bool pairs) {
     constexpr int64_t N = L::N;
     const int64_t D = s_.head_dim, n = nq * G, groups = (n + N - 1) / N;
     const int64_t num_kh = kh_end - kh_begin, slabs = num_kh * groups;  // a slab: N query vectors of one KV head
@@ -549,17 +562,30 @@ class ItemKernel {
       pos_[t] = static_cast<int32_t>(pos0 + t / G);
       low_[t] = static_cast<int32_t>(key_lo(pos0 + t / G));
     }
-    for (int64_t kh = 0; kh < num_kh; ++kh)
-      for (int64_t t = 0; t < n; ++t) {
-        const float* q = q_.data() + ((t / G) * heads + kh * G + t % G) * D;
-        float* dst = qt_.data() + (kh * groups + t / N) * D * N + t % N;
-        for (int64_t d = 0; d < D; ++d) dst[d * N] = q[d];
-      }
+    if (pairs) {  // per slab [D / 2][N]: lane t's dimensions 2 d2 and 2 d2 + 1 as one bf16 pair
+      qtp_.assign(slabs * (D / 2) * N, 0u);
+      for (int64_t kh = 0; kh < num_kh; ++kh)
+        for (int64_t t = 0; t < n; ++t) {
+          const float* q = q_.data() + ((t / G) * heads + kh * G + t % G) * D;
+          uint32_t* dst = qtp_.data() + (kh * groups + t / N) * (D / 2) * N + t % N;
+          for (int64_t d2 = 0; d2 < D / 2; ++d2)
+            dst[d2 * N] = bf16_bits(q[2 * d2]) | static_cast<uint32_t>(bf16_bits(q[2 * d2 + 1])) << 16;
+        }
+    } else {
+      for (int64_t kh = 0; kh < num_kh; ++kh)
+        for (int64_t t = 0; t < n; ++t) {
+          const float* q = q_.data() + ((t / G) * heads + kh * G + t % G) * D;
+          float* dst = qt_.data() + (kh * groups + t / N) * D * N + t % N;
+          for (int64_t d = 0; d < D; ++d) dst[d * N] = q[d];
+        }
+    }
     for (int64_t b = lo / kTileKeys; b * kTileKeys < hi; ++b) {
       for (int64_t kh = kh_begin; kh < kh_end; ++kh) {
         if ((b + 1) * kTileKeys < hi) prefetch_head_block(raw(table[b + 1], kh));
         const Block block = load_block(table[b], kh);
-        for (int64_t g = 0; g < groups; ++g) tile_block<L>((kh - kh_begin) * groups + g, g, b * kTileKeys, block);
+        const Raw here = pairs ? raw(table[b], kh) : Raw{};
+        for (int64_t g = 0; g < groups; ++g)
+          tile_block<L>((kh - kh_begin) * groups + g, g, b * kTileKeys, block, here);
       }
     }
     for (int64_t kh = 0; kh < num_kh; ++kh)
@@ -571,9 +597,10 @@ class ItemKernel {
       }
   }
 
-  // One block's keys [j0, j0 + 16) against the query vectors of `slab` (lanes of group `g`).
+  // One block's keys [j0, j0 + 16) against the query vectors of `slab` (lanes of group `g`);
+  // `here` given (run_tiles' `pairs`): the scores from its bf16 keys on pairs.
   template <typename L>
-  void tile_block(int64_t slab, int64_t g, int64_t j0, const Block& blk) {
+  void tile_block(int64_t slab, int64_t g, int64_t j0, const Block& blk, const Raw& here) {
     constexpr int64_t N = L::N;
     using V = typename L::V;
     const int64_t D = s_.head_dim;
@@ -584,9 +611,19 @@ class ItemKernel {
       any = any || L::any(seen[j]);
     }
     if (!any) return;  // every query vector here is past this block's window or before its keys
-    const float* qt = qt_.data() + slab * D * N;
     float* w = pt_;  // [16 keys][N lanes]: scores, then weights
-    for (int64_t j = 0; j < kTileKeys; j += 8) {  // 8 keys at a time: 8 independent FMA chains over d
+    bool scored = false;
+#ifdef SPINDLE_DECODE_PAIRS
+    if constexpr (std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16> && N == kPairsBlock) {
+      if (here.k != nullptr) {
+        score_tile_pairs(qtp_.data() + slab * (D / 2) * N, reinterpret_cast<const c10::BFloat16*>(here.k),
+                         s_.token_stride, D, s_.scale, w);
+        scored = true;
+      }
+    }
+#endif
+    const float* qt = qt_.data() + slab * D * N;
+    for (int64_t j = 0; j < kTileKeys && !scored; j += 8) {  // 8 keys at a time: 8 independent FMA chains over d
       const float* k[8];
       for (int jj = 0; jj < 8; ++jj) k[jj] = blk.k + (j + jj) * blk.stride;
       V acc[8];
@@ -632,6 +669,7 @@ class ItemKernel {
   // walk over head-blocks is tuned for memory), take `accumulate`.
   static constexpr int64_t kMinTileVectors = 8;
   std::vector<float> qt_, ot_, mx_, sm_;  // per slab: queries and accumulator [D][N], max and sum [N]
+  std::vector<uint32_t> qtp_;              // per slab, `pairs`: the queries as bf16 pairs [D / 2][N]
   std::vector<int32_t> pos_, low_;        // per lane: its position and its first visible key
   alignas(64) float pt_[kTileKeys * 16];  // a block's scores, then weights: [16 keys][N <= 16 lanes]
 #endif
