@@ -159,7 +159,8 @@ def test_rotary_in_paged_attention_equals_rope_then_attention(
     q_rot, k_rot = rope(positions, query, key)
     want = backend.forward(spec, q_rot, k_rot, value, unfused_cache, meta)
     got = backend.forward_rotary(spec, query, key, value, fused_cache, meta, positions, rope.cos, rope.sin)
-    assert torch.equal(fused_cache, unfused_cache)
+    # Bit for bit; rows no pass wrote hold NaN in both (test_paged_attention's _case).
+    torch.testing.assert_close(fused_cache, unfused_cache, rtol=0, atol=0, equal_nan=True)
     assert torch.equal(got, want)
 
 

@@ -562,6 +562,7 @@ class ItemKernel {
       pos_[t] = static_cast<int32_t>(pos0 + t / G);
       low_[t] = static_cast<int32_t>(key_lo(pos0 + t / G));
     }
+#ifdef SPINDLE_DECODE_PAIRS
     if (pairs) {  // per slab [D / 2][N]: lane t's dimensions 2 d2 and 2 d2 + 1 as one bf16 pair
       qtp_.assign(slabs * (D / 2) * N, 0u);
       for (int64_t kh = 0; kh < num_kh; ++kh)
@@ -571,7 +572,9 @@ class ItemKernel {
           for (int64_t d2 = 0; d2 < D / 2; ++d2)
             dst[d2 * N] = bf16_bits(q[2 * d2]) | static_cast<uint32_t>(bf16_bits(q[2 * d2 + 1])) << 16;
         }
-    } else {
+    } else
+#endif
+    {
       for (int64_t kh = 0; kh < num_kh; ++kh)
         for (int64_t t = 0; t < n; ++t) {
           const float* q = q_.data() + ((t / G) * heads + kh * G + t % G) * D;
