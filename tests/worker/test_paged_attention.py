@@ -138,9 +138,8 @@ def test_kernel_switches_keep_the_outputs(dtype, switch) -> None:
     through the per-query loop), SPINDLE_PREFILL_TILES_AVX2=1 (the tiles' 8-lane form, what an
     AVX2-only CPU runs, on a CPU with AVX-512 too) and SPINDLE_DISABLE_ATTENTION_PAIRS=1 (bf16
     blocks widened before they are scored, what a CPU without AVX512-BF16 runs) run the same kernel
-    otherwise: the outputs
-    still match the reference, decode and prefill rows (read once per process, so in a fresh
-    interpreter)."""
+    otherwise: the outputs still match the reference, decode and prefill rows (read once per
+    process, so in a fresh interpreter)."""
     probe = f"""
 import torch
 from tests.worker.test_paged_attention import LONG_ROWS, ROWS, _check_against_reference

@@ -104,6 +104,10 @@ namespace {
 template <typename q_t>
 constexpr bool kRotates = std::is_same_v<q_t, float> || std::is_same_v<q_t, c10::BFloat16>;
 
+// Query and cache dtypes the bf16 pairs take (decode_pairs.h; `pairs_usable` says when).
+template <typename q_t, typename kv_t>
+constexpr bool kPairTypes = std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16>;
+
 // SPINDLE_DISABLE_L2_PREFETCH=1: ask for the KV's lines into L1 (prefetcht0), as before
 // 2026-11-29, instead of into L2 (prefetch_line; side-by-side runs).
 inline bool l2_prefetch_disabled() {
@@ -350,8 +354,9 @@ class ItemKernel {
   }
 
   // An fp32 cache is read where it lies; other dtypes are converted once per block into an
-  // L1-resident buffer that every query vector of the item then reuses.
-  Block load_block(int64_t block, int64_t kv_head) {
+  // L1-resident buffer that every query vector of the item then reuses (the values alone when
+  // `keys` is false: the tiles' scores on pairs read the keys in place).
+  Block load_block(int64_t block, int64_t kv_head, bool keys = true) {
     const int64_t D = s_.head_dim, BS = s_.block_size, tok = s_.token_stride;
     const kv_t* k = cache_ + block * s_.block_stride + kv_head * s_.head_stride;
     const kv_t* v = k + s_.kv_stride;
@@ -359,7 +364,7 @@ class ItemKernel {
       return {k, v, tok};
     } else {
       for (int64_t j = 0; j < BS; ++j) {
-        widen_row(k + j * tok, k_.data() + j * D, D);
+        if (keys) widen_row(k + j * tok, k_.data() + j * D, D);
         widen_row(v + j * tok, v_.data() + j * D, D);
       }
       return {k_.data(), v_.data(), D};
@@ -370,7 +375,7 @@ class ItemKernel {
   // a CPU with AVX512-BF16, head_dim in whole 32-element steps, 16-key blocks.
   bool pairs_usable() const {
 #ifdef SPINDLE_DECODE_PAIRS
-    if constexpr (std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16>) {
+    if constexpr (kPairTypes<q_t, kv_t>) {
       return s_.head_dim % 32 == 0 && s_.block_size == kPairsBlock && !attention_pairs_disabled();
     }
 #endif
@@ -382,7 +387,7 @@ class ItemKernel {
   template <int NH>
   void step(bool pairs, int64_t qv0, int64_t a, int64_t e, const Block& blk, const Raw& here, const Raw* next) {
 #ifdef SPINDLE_DECODE_PAIRS
-    if constexpr (std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16>) {
+    if constexpr (kPairTypes<q_t, kv_t>) {
       if (pairs) return accumulate_pairs<NH>(qv0, a, e, here, next);
     }
 #endif
@@ -585,7 +590,7 @@ class ItemKernel {
     for (int64_t b = lo / kTileKeys; b * kTileKeys < hi; ++b) {
       for (int64_t kh = kh_begin; kh < kh_end; ++kh) {
         if ((b + 1) * kTileKeys < hi) prefetch_head_block(raw(table[b + 1], kh));
-        const Block block = load_block(table[b], kh);
+        const Block block = load_block(table[b], kh, !pairs);
         const Raw here = pairs ? raw(table[b], kh) : Raw{};
         for (int64_t g = 0; g < groups; ++g)
           tile_block<L>((kh - kh_begin) * groups + g, g, b * kTileKeys, block, here);
@@ -617,7 +622,7 @@ class ItemKernel {
     float* w = pt_;  // [16 keys][N lanes]: scores, then weights
     bool scored = false;
 #ifdef SPINDLE_DECODE_PAIRS
-    if constexpr (std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16> && N == kPairsBlock) {
+    if constexpr (kPairTypes<q_t, kv_t> && N == kPairsBlock) {
       if (here.k != nullptr) {
         score_tile_pairs(qtp_.data() + slab * (D / 2) * N, reinterpret_cast<const c10::BFloat16*>(here.k),
                          s_.token_stride, D, s_.scale, w);
