@@ -1,5 +1,5 @@
 """The small-M linear kernel equals F.linear (fp32 and bf16 weights, with and without bias, every
-row count and odd shapes), and FastLinear uses it only up to the row count calibration chose;
+row count and odd shapes), and FastLinear uses it only at the row counts calibration chose;
 past it, float32 weights run on a oneDNN-packed copy that follows weight changes."""
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from services.worker.models.fast_linear import (
     FastLinear,
     ProbeTimes,
     calibrate,
+    describe_rows,
     inflated_probes,
+    kernel_row_table,
     probe_times,
     round_max_rows,
     rows_within,
@@ -172,11 +174,43 @@ def test_fast_linear_routes_by_the_calibrated_row_count(monkeypatch: pytest.Monk
     assert calls == [2, 3], "inputs of up to 4 rows (3-d flattened) take the kernel, 5 rows do not"
 
 
+def test_fast_linear_takes_the_kernel_in_its_bands_past_the_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row counts `kernel_at` marks take the kernel beyond `kernel_max_rows`; the rest the GEMM."""
+    layer = FastLinear(48, 24)
+    calls = []
+    real = torch.ops.spindle.linear_small_m
+
+    def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, float_out: bool = False) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, w, b, float_out)
+
+    monkeypatch.setattr(torch.ops.spindle, "linear_small_m", spy)
+    layer.kernel_max_rows = 2
+    layer.kernel_at = kernel_row_table(tuple((1.0 if r in (32, 64) else 3.0, 2.0) for r in PROBE_ROWS))
+    with torch.inference_mode():
+        for rows in (1, 3, 31, 32, 40, 64, 65, 300):
+            x = torch.randn(rows, 48)
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert calls == [1, 32, 40, 64], "the prefix, then 32-64 rows; not 3, 31, 65 or past the probes"
+
+
+def test_kernel_row_table_marks_the_probes_it_won_and_the_counts_between_two_wins(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    won = {1, 2, 16, 64, 128}
+    table = kernel_row_table(tuple((1.0 if r in won else 2.0, 1.5) for r in PROBE_ROWS))
+    assert len(table) == PROBE_ROWS[-1] + 1
+    assert describe_rows(table) == "1-2, 16, 64-128", "16 alone: 8 and 32 lost; 65-127 between two wins"
+    assert describe_rows(kernel_row_table(((2.0, 2.0),) * len(PROBE_ROWS))) == "none", "a tie is not a win"
+    monkeypatch.setenv(fast_linear.DISABLE_BANDS_ENV, "1")
+    assert kernel_row_table(((1.0, 2.0),) * len(PROBE_ROWS)) == b"", "switched off: the prefix alone"
+
+
 def test_calibrate_sets_every_layer_of_a_shape_alike() -> None:
     model = torch.nn.Sequential(FastLinear(64, 64), FastLinear(64, 64), FastLinear(64, 128))
     chosen = calibrate(model)
     assert set(chosen) == {(64, 64, "float32"), (128, 64, "float32")}
     assert model[0].kernel_max_rows == model[1].kernel_max_rows == chosen[(64, 64, "float32")]
+    assert model[0].kernel_at == model[1].kernel_at == kernel_row_table(model[0].probe_s)
 
 
 def _winning_up_to(rows: int, kernel: float = 0.5) -> ProbeTimes:

@@ -10,6 +10,13 @@ counts and sets, per layer, the largest row count up to which the kernel won eve
 thread count: the answer is kept on disk (calibration_cache.py). Same parameter names as
 `nn.Linear`, so checkpoints load unchanged.
 
+Past that prefix the kernel also runs the row counts where it won again (`kernel_row_table`):
+the two trade places more than once. On a 2-core AMD EPYC Zen 4 (bf16, weights from memory)
+oneDNN won at 4-16 rows and lost at 32-64 (the medium model's fused gate_up 5632 x 1024: 1,169
+against 1,332 us at 32 rows, 2,083 against 2,282 at 64), so the prefix rule stopped at 4 rows
+and a 64-stream decode step ran all its GEMMs on oneDNN. `SPINDLE_DISABLE_LINEAR_KERNEL_BANDS=1`
+keeps the prefix alone (side-by-side runs).
+
 Past the kernel's rows, float32 weights run through oneDNN on a copy packed once at load
 (prepacked_linear.OneDnnWeight) rather than torch's `F.linear`: at the medium model's shapes
 and 16-192 rows it measured 74-160 GFLOP/s against MKL's 42-128 and the kernel's 62-115 (2-core
@@ -43,12 +50,14 @@ from torch import nn
 
 from services.worker.models import calibration_cache
 from services.worker.models.prepacked_linear import PACKABLE_DTYPES, OneDnnWeight
+from shared.switches import switch_on
 
 logger = logging.getLogger(__name__)
 
 PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)  # what the kernel and the packed GEMM take
 DISABLE_ENV = "SPINDLE_DISABLE_LINEAR_KERNEL"  # 1: no kernel, the GEMM at every row count (side-by-side runs)
+DISABLE_BANDS_ENV = "SPINDLE_DISABLE_LINEAR_KERNEL_BANDS"  # 1: the kernel only up to kernel_max_rows
 DISABLE_ONEDNN_ENV = "SPINDLE_DISABLE_ONEDNN_LINEAR"  # 1: past the kernel's rows, F.linear on the plain weight
 ONEDNN_MAX_MEMORY_SHARE = 0.5  # packed copies may take at most this share of MemAvailable
 # A round whose every layer runs the kernel goes on spindle's work pool (native_stack.fits_pool),
@@ -87,9 +96,11 @@ ProbeTimes = calibration_cache.Timings  # per PROBE_ROWS: best seconds of (kerne
 
 
 class FastLinear(nn.Linear):
-    """nn.Linear; inputs of at most `kernel_max_rows` rows use the small-M kernel."""
+    """nn.Linear; inputs of at most `kernel_max_rows` rows, or of a row count `kernel_at` marks,
+    use the small-M kernel."""
 
-    kernel_max_rows: int = 0  # set per layer by `calibrate`; 0: always the GEMM
+    kernel_max_rows: int = 0  # set per layer by `calibrate`: the kernel at every row count up to this
+    kernel_at: bytes = b""  # set by `calibrate`: index = row count, 1 where the kernel runs (kernel_row_table)
     probe_s: ProbeTimes = ()  # per PROBE_ROWS: (kernel, GEMM) seconds, from `calibrate`
     onednn: OneDnnWeight | None = None  # set by `calibrate` where the GEMM runs on a oneDNN-packed copy
 
@@ -97,7 +108,8 @@ class FastLinear(nn.Linear):
         """The small-M kernel's y for `x` (`float_out`: as float32, see the op), or None where x
         is past its calibrated rows or not an activation dtype it takes."""
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if not (0 < rows <= self.kernel_max_rows and x.dtype in ACTIVATION_DTYPES):
+        if not ((0 < rows <= self.kernel_max_rows or (rows < len(self.kernel_at) and self.kernel_at[rows]))
+                and x.dtype in ACTIVATION_DTYPES):
             return None
         y = torch.ops.spindle.linear_small_m(x.reshape(rows, x.shape[-1]), self.weight, self.bias, float_out)
         return y.view(*x.shape[:-1], self.out_features)
@@ -219,6 +231,36 @@ def rows_within(times: ProbeTimes, allowance_s: float = 0.0) -> int:
     return best
 
 
+def kernel_row_table(times: ProbeTimes) -> bytes:
+    """Per row count from 0 to the last probe's, 1 where the kernel runs: at a probe's row count
+    where it beat the GEMM there, and between two probes where it beat it at both (between
+    probes both times grow in steps, the kernel's by 16-row register groups: a win at each end
+    is the evidence for the counts between). Empty where the bands are switched off."""
+    if switch_on(DISABLE_BANDS_ENV):
+        return b""
+    table = bytearray(PROBE_ROWS[-1] + 1)
+    previous_rows, previous_won = 0, False
+    for rows, (kernel, other) in zip(PROBE_ROWS, times, strict=False):
+        won = kernel < other
+        if won:
+            start = previous_rows + 1 if previous_won else rows
+            table[start:rows + 1] = b"\x01" * (rows + 1 - start)
+        previous_rows, previous_won = rows, won
+    return bytes(table)
+
+
+def describe_rows(table: bytes) -> str:
+    """`kernel_row_table`'s runs of row counts, as "1-4, 32-64" ("none" where there are none)."""
+    runs, start = [], None
+    for rows, on in enumerate([*table, 0]):
+        if on and start is None:
+            start = rows
+        elif not on and start is not None:
+            runs.append(f"{start}-{rows - 1}" if rows - 1 > start else str(start))
+            start = None
+    return ", ".join(runs) or "none"
+
+
 def round_allowance_s() -> float:
     """ROUND_ALLOWANCE_S, or the operator's SPINDLE_ROUND_ALLOWANCE_US (a worker with a malformed
     value stops at start-up with an error that names the variable)."""
@@ -311,9 +353,10 @@ def set_one_row_pairs(weight_bytes: int) -> bool:
 
 @torch.inference_mode()
 def calibrate(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict[tuple[int, int, str], int]:
-    """Set `kernel_max_rows` (where the kernel wins every probe) and `probe_s` (the timings, for
-    `round_max_rows`) on every CPU FastLinear of `model` for `dtype` activations (float32 or
-    bfloat16); returns the rows per (out, in, weight dtype).
+    """Set `kernel_max_rows` (where the kernel wins every probe), `kernel_at` (every row count
+    where it runs) and `probe_s` (the timings, for `round_max_rows`) on every CPU FastLinear of
+    `model` for `dtype` activations (float32 or bfloat16); returns the prefix rows per (out, in,
+    weight dtype).
 
     Layers of one shape share one measurement, and a shape measured before on this kernel
     build with this many threads is read back (calibration_cache.py). Without the kernels
@@ -354,9 +397,11 @@ def calibrate(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict[tupl
             times_by_shape[shape] = times
         layer.probe_s = times_by_shape[shape]
         layer.kernel_max_rows = rows_within(layer.probe_s)
+        layer.kernel_at = kernel_row_table(layer.probe_s)
     calibration_cache.store(path, measured)
     by_shape = {shape: rows_within(times) for shape, times in times_by_shape.items()}
-    logger.info("linear kernel chosen by measurement (%.1f s; %d of %d shapes read from %s): up to %s rows "
-                "per (out, in, weight dtype)", time.perf_counter() - start, len(by_shape) - len(measured),
-                len(by_shape), path, by_shape)
+    bands = {shape: describe_rows(kernel_row_table(times)) for shape, times in times_by_shape.items()}
+    logger.info("linear kernel chosen by measurement (%.1f s; %d of %d shapes read from %s): at every row "
+                "count up to %s per (out, in, weight dtype); rows on the kernel: %s", time.perf_counter() - start,
+                len(by_shape) - len(measured), len(by_shape), path, by_shape, bands)
     return by_shape
