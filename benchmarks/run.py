@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import gc
 import logging
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -233,9 +234,12 @@ def _csv(kind: Callable[[str], object]) -> Callable[[str], tuple]:
 
 
 def _env_variant(text: str) -> tuple[str, tuple[tuple[str, str], ...]]:
-    """'unfused:SPINDLE_DISABLE_FUSED_KERNELS=1' -> ('unfused', (('SPINDLE_DISABLE_FUSED_KERNELS', '1'),))."""
+    """'unfused:SPINDLE_DISABLE_FUSED_KERNELS=1' -> ('unfused', (('SPINDLE_DISABLE_FUSED_KERNELS', '1'),)).
+
+    A comma starts the next assignment only where a NAME= follows it, so a value may hold commas
+    (GRPC_EXPERIMENTS=-event_engine_client,-event_engine_listener)."""
     label, _, assignments = text.partition(":")
-    env = tuple(tuple(item.split("=", 1)) for item in assignments.split(",") if item)
+    env = tuple(tuple(item.split("=", 1)) for item in re.split(r",(?=[A-Za-z_][A-Za-z0-9_]*=)", assignments) if item)
     if not label or any(len(pair) != 2 or not pair[0] for pair in env):
         raise argparse.ArgumentTypeError(f"expected LABEL[:NAME=VALUE,...], got {text!r}")
     return label, env  # type: ignore[return-value]

@@ -23,6 +23,7 @@ def test_variants_alternate_at_each_concurrency_with_their_environment() -> None
 
 def test_env_variant_syntax() -> None:
     assert _env_variant("x:A=1,B=c=d") == ("x", (("A", "1"), ("B", "c=d")))
+    assert _env_variant("x:A=-p,-q,B=1") == ("x", (("A", "-p,-q"), ("B", "1"))), "a comma before no NAME= is a value's"
     for bad in ("", ":A=1", "x:A", "x:=1"):
         with pytest.raises(argparse.ArgumentTypeError):
             _env_variant(bad)
