@@ -36,6 +36,8 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels")
                           # the AVX-512 few-rows tiles (linear_small_m.cpp): row counts 2-11,
                           # features past the last block of 4, K not a multiple of 16
                           (2, 130, 75), (5, 103, 40), (6, 64, 300), (11, 37, 40),
+                          # 7-11 rows of fp32 x over fp32 W: two features side by side a pass
+                          (8, 20, 33), (9, 8, 1024), (10, 14, 16),
                           # the AVX-512 kernel's edges (linear_mid_m.cpp): partial row groups and
                           # tiles, features past a 96-wide block, K not a multiple of 16
                           (12, 97, 19), (17, 200, 75), (64, 385, 300), (65, 100, 33), (130, 50, 16)])
