@@ -187,6 +187,7 @@ def test_fast_linear_takes_the_kernel_in_its_bands_past_the_prefix(monkeypatch: 
         return real(x, w, b, float_out)
 
     monkeypatch.setattr(torch.ops.spindle, "linear_small_m", spy)
+    monkeypatch.delenv(fast_linear.DISABLE_BANDS_ENV, raising=False)
     layer.kernel_max_rows = 2
     layer.kernel_at = kernel_row_table(tuple((1.0 if r in (32, 64) else 3.0, 2.0) for r in PROBE_ROWS))
     with torch.inference_mode():
@@ -198,6 +199,7 @@ def test_fast_linear_takes_the_kernel_in_its_bands_past_the_prefix(monkeypatch: 
 
 def test_kernel_row_table_marks_the_probes_it_won_and_the_counts_between_two_wins(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(fast_linear.DISABLE_BANDS_ENV, raising=False)
     won = {1, 2, 16, 64, 128}
     table = kernel_row_table(tuple((1.0 if r in won else 2.0, 1.5) for r in PROBE_ROWS))
     assert len(table) == PROBE_ROWS[-1] + 1

@@ -39,6 +39,7 @@ def _model(model_dir: Path, weight_dtype: torch.dtype = torch.float32,
     for module in model.modules():
         if isinstance(module, FastLinear):
             module.kernel_max_rows = KERNEL_ROWS
+            module.kernel_at = b""  # nor the calibration's bands past them
             module.probe_s = ()  # no round rows past them
     model.build_native_stack()
     assert model.native_stack is not None and model.native_stack.max_rows == KERNEL_ROWS

@@ -146,6 +146,7 @@ def test_steps_whose_every_layer_runs_the_kernels_fit_the_pool(llama_dir: Path) 
     for module in model.modules():
         if isinstance(module, FastLinear):
             module.kernel_max_rows = 8
+            module.kernel_at = b""  # nor the calibration's bands past them
             module.probe_s = ()  # no round rows past them
     model.lm_head.kernel_max_rows = 4
     model.build_native_stack()
@@ -171,6 +172,7 @@ def test_a_prompts_round_runs_its_decode_steps_on_the_pool(llama_dir: Path, monk
         for module in runner.model.modules():
             if isinstance(module, FastLinear):
                 module.kernel_max_rows = 8
+                module.kernel_at = b""
                 module.probe_s = ()
         runner.model.build_native_stack()
         prompt = list(range(3, 15))  # 12 tokens: past the layers' kernel rows

@@ -12,7 +12,7 @@ thread count: the answer is kept on disk (calibration_cache.py). Same parameter 
 
 Past that prefix the kernel also runs the row counts where it won again (`kernel_row_table`):
 the two trade places more than once. On a 2-core AMD EPYC Zen 4 (bf16, weights from memory)
-oneDNN won at 4-16 rows and lost at 32-64 (the medium model's fused gate_up 5632 x 1024: 1,169
+oneDNN won at 8-16 rows and lost at 32-64 (the medium model's fused gate_up 5632 x 1024: 1,169
 against 1,332 us at 32 rows, 2,083 against 2,282 at 64), so the prefix rule stopped at 4 rows
 and a 64-stream decode step ran all its GEMMs on oneDNN. `SPINDLE_DISABLE_LINEAR_KERNEL_BANDS=1`
 keeps the prefix alone (side-by-side runs).
@@ -106,7 +106,7 @@ class FastLinear(nn.Linear):
 
     def _kernel(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor | None:
         """The small-M kernel's y for `x` (`float_out`: as float32, see the op), or None where x
-        is past its calibrated rows or not an activation dtype it takes."""
+        has a row count calibration did not choose for the kernel or is not an activation dtype it takes."""
         rows = x.numel() // x.shape[-1] if x.numel() else 0
         if not ((0 < rows <= self.kernel_max_rows or (rows < len(self.kernel_at) and self.kernel_at[rows]))
                 and x.dtype in ACTIVATION_DTYPES):
@@ -234,8 +234,9 @@ def rows_within(times: ProbeTimes, allowance_s: float = 0.0) -> int:
 def kernel_row_table(times: ProbeTimes) -> bytes:
     """Per row count from 0 to the last probe's, 1 where the kernel runs: at a probe's row count
     where it beat the GEMM there, and between two probes where it beat it at both (between
-    probes both times grow in steps, the kernel's by 16-row register groups: a win at each end
-    is the evidence for the counts between). Empty where the bands are switched off."""
+    probes both times grow in steps, not in a line, and from 12 rows on the kernel's tiles are
+    16 rows wide: a win at each end is the evidence for the counts between). Empty where the
+    bands are switched off."""
     if switch_on(DISABLE_BANDS_ENV):
         return b""
     table = bytearray(PROBE_ROWS[-1] + 1)
@@ -400,7 +401,8 @@ def calibrate(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict[tupl
         layer.kernel_at = kernel_row_table(layer.probe_s)
     calibration_cache.store(path, measured)
     by_shape = {shape: rows_within(times) for shape, times in times_by_shape.items()}
-    bands = {shape: describe_rows(kernel_row_table(times)) for shape, times in times_by_shape.items()}
+    bands = ({shape: describe_rows(kernel_row_table(times)) for shape, times in times_by_shape.items()}
+             if not switch_on(DISABLE_BANDS_ENV) else f"off ({DISABLE_BANDS_ENV}): the prefix alone")
     logger.info("linear kernel chosen by measurement (%.1f s; %d of %d shapes read from %s): at every row "
                 "count up to %s per (out, in, weight dtype); rows on the kernel: %s", time.perf_counter() - start,
                 len(by_shape) - len(measured), len(by_shape), path, by_shape, bands)

@@ -262,7 +262,7 @@ inline void few_rows_tile(const X* x, const W* w, const float* bias, Y* y, int64
     store4(y + m * N + f0, _mm_add_ps(sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]), b));
 }
 
-// 7 to 11 rows of fp32 x over fp32 W: y[m][f0 .. f0 + 2) in one pass over the two features' rows
+// 7 to 11 rows of x (fp32, or bf16 widened first) over fp32 W: y[m][f0 .. f0 + 2) in one pass over the two features' rows
 // of W, read side by side, so each x vector loaded feeds both (R + 2 loads for 2R products a
 // step). The tile above reloads x for every feature and takes 7+ rows in two passes. Measured
 // (2-core AMD EPYC Zen 4, medium 5632 x 1024, 12 copies of W cycled past the caches, /tmp
@@ -301,14 +301,16 @@ inline void pair_rows_block(const X* x, const W* w, const float* bias, Y* y, int
 template <typename L, typename X, typename W, typename Y>
 inline void few_rows_block(const X* x, const W* w, const float* bias, Y* y, int64_t M, int64_t K, int64_t N,
                            int64_t f0) {
-  if (std::is_same_v<L, Fp32Lanes> && std::is_same_v<W, float> && !pair_rows_disabled()) {
-    switch (M) {
-      case 7: return pair_rows_block<7, L>(x, w, bias, y, K, N, f0);
-      case 8: return pair_rows_block<8, L>(x, w, bias, y, K, N, f0);
-      case 9: return pair_rows_block<9, L>(x, w, bias, y, K, N, f0);
-      case 10: return pair_rows_block<10, L>(x, w, bias, y, K, N, f0);
-      case 11: return pair_rows_block<11, L>(x, w, bias, y, K, N, f0);
-      default: break;
+  if constexpr (std::is_same_v<L, Fp32Lanes> && std::is_same_v<W, float>) {
+    if (!pair_rows_disabled()) {
+      switch (M) {
+        case 7: return pair_rows_block<7, L>(x, w, bias, y, K, N, f0);
+        case 8: return pair_rows_block<8, L>(x, w, bias, y, K, N, f0);
+        case 9: return pair_rows_block<9, L>(x, w, bias, y, K, N, f0);
+        case 10: return pair_rows_block<10, L>(x, w, bias, y, K, N, f0);
+        case 11: return pair_rows_block<11, L>(x, w, bias, y, K, N, f0);
+        default: break;
+      }
     }
   }
   switch (M) {
