@@ -158,9 +158,9 @@ def test_one_row_is_the_same_at_any_thread_count(threads: int) -> None:
     assert torch.equal(got, torch.ops.spindle.linear_small_m(x, weight, bias))  # bit for bit at the default count
 
 
-def test_fast_linear_routes_by_the_calibrated_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    layer = FastLinear(48, 24)
-    calls = []
+def _kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The row counts of every call of the small-M kernel from here on (the kernel still runs)."""
+    calls: list[int] = []
     real = torch.ops.spindle.linear_small_m
 
     def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, float_out: bool = False) -> torch.Tensor:
@@ -168,6 +168,12 @@ def test_fast_linear_routes_by_the_calibrated_row_count(monkeypatch: pytest.Monk
         return real(x, w, b, float_out)
 
     monkeypatch.setattr(torch.ops.spindle, "linear_small_m", spy)
+    return calls
+
+
+def test_fast_linear_routes_by_the_calibrated_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = FastLinear(48, 24)
+    calls = _kernel_calls(monkeypatch)
     layer.kernel_max_rows = 4
     with torch.inference_mode():
         for shape in ((2, 48), (1, 3, 48), (5, 48)):
@@ -179,14 +185,7 @@ def test_fast_linear_routes_by_the_calibrated_row_count(monkeypatch: pytest.Monk
 def test_fast_linear_takes_the_kernel_in_its_bands_past_the_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
     """Row counts `kernel_at` marks take the kernel beyond `kernel_max_rows`; the rest the GEMM."""
     layer = FastLinear(48, 24)
-    calls = []
-    real = torch.ops.spindle.linear_small_m
-
-    def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, float_out: bool = False) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return real(x, w, b, float_out)
-
-    monkeypatch.setattr(torch.ops.spindle, "linear_small_m", spy)
+    calls = _kernel_calls(monkeypatch)
     monkeypatch.delenv(fast_linear.DISABLE_BANDS_ENV, raising=False)
     layer.kernel_max_rows = 2
     layer.kernel_at = kernel_row_table(tuple((1.0 if r in (32, 64) else 3.0, 2.0) for r in PROBE_ROWS))

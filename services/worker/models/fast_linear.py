@@ -386,8 +386,10 @@ def calibrate(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict[tupl
     working_set = min(weight_bytes, _COLD_BYTES)
     measured: dict[str, ProbeTimes] = {}
     times_by_shape: dict[tuple[int, int, str], ProbeTimes] = {}
+    shapes = []
     for layer in layers:
         shape = (layer.out_features, layer.in_features, str(layer.weight.dtype).removeprefix("torch."))
+        shapes.append(shape)
         if shape not in times_by_shape:
             onednn = layer.onednn is not None
             key = calibration_cache.entry_key(*shape, layer.bias is not None, torch.get_num_threads(), onednn,
@@ -396,12 +398,12 @@ def calibrate(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict[tupl
             if times is None or len(times) != len(PROBE_ROWS):
                 times = measured[key] = probe_times(layer.weight, layer.bias, onednn, dtype, working_set)
             times_by_shape[shape] = times
-        layer.probe_s = times_by_shape[shape]
-        layer.kernel_max_rows = rows_within(layer.probe_s)
-        layer.kernel_at = kernel_row_table(layer.probe_s)
     calibration_cache.store(path, measured)
     by_shape = {shape: rows_within(times) for shape, times in times_by_shape.items()}
-    bands = ({shape: describe_rows(kernel_row_table(times)) for shape, times in times_by_shape.items()}
+    tables = {shape: kernel_row_table(times) for shape, times in times_by_shape.items()}
+    for layer, shape in zip(layers, shapes, strict=True):  # each shape's answer worked out once
+        layer.probe_s, layer.kernel_max_rows, layer.kernel_at = times_by_shape[shape], by_shape[shape], tables[shape]
+    bands = ({shape: describe_rows(table) for shape, table in tables.items()}
              if not switch_on(DISABLE_BANDS_ENV) else f"off ({DISABLE_BANDS_ENV}): the prefix alone")
     logger.info("linear kernel chosen by measurement (%.1f s; %d of %d shapes read from %s): at every row "
                 "count up to %s per (out, in, weight dtype); rows on the kernel: %s", time.perf_counter() - start,
