@@ -64,8 +64,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from shared.switches import switch_on
 
 POLICIES = ("off", "spread", "isolate", "share", "auto")
 
@@ -186,6 +188,37 @@ def worker_env(cores: Sequence[int]) -> dict[str, str]:
         "OMP_PLACES": ",".join(f"{{{core}}}" for core in cores),
         "OMP_PROC_BIND": "close",
     }
+
+
+def compute_core(environ: Mapping[str, str] = os.environ) -> tuple[int, ...]:
+    """The cores of a pinned worker's first OpenMP place (`worker_env`: OMP_PROC_BIND and
+    OMP_PLACES "{c0},{c1},..."), where libgomp binds the thread that runs the model's steps; ()
+    where the worker's threads are not bound (no OMP_PROC_BIND) or the places are in another form.
+
+    Why the worker puts its Python threads there (its event loop, gRPC's threads, the compute
+    thread; services/worker/__main__.py): each step's tokens are handed to the event loop, which
+    converts and sends them while holding the GIL. Free to run on any core, it ran on the last
+    core, beside the OpenMP helper thread, the scheduler and the frontend: taken off that core
+    while it held the GIL, it kept the compute thread waiting for the GIL in the step's next
+    Python, and it took the helper's core in the middle of the forward pass. On the compute
+    thread's core it runs when the compute thread yields after each step (round_pipeline.py), and
+    nothing else there preempts it. Measured (2-core AMD EPYC Zen 4, bf16, 128 + 128 tokens, a
+    fresh server per run, pairs interleaved, 2026-11-30), output tok/s, free -> compute core:
+    moved by `taskset` after start-up, small model one stream 578 / 736 -> 840 / 942, medium one
+    stream 95.0 / 92.2 -> 98.9 / 100.2 (its step's Python before the forward pass 0.26-0.42 ->
+    0.20 ms), 64 streams small 4,226 / 4,340 -> 4,220 / 5,166, medium 571 / 675 -> 559 / 655;
+    then this code, `python -m benchmarks.run --models small,medium --concurrency 1
+    --num-requests 24 --configs spindle --scheduler-steps 8 --spindle-arg=--dtype
+    --spindle-arg=bfloat16 --spindle-env-variant free:SPINDLE_DISABLE_EVENT_LOOP_ON_COMPUTE_CORE=1
+    --spindle-env-variant core`: small 755 / 680 / 519 / 604 / 531 -> 711 / 754 / 678 / 637 /
+    557 (4 of 5 pairs faster, +8 % on average), medium 91.6 / 91.8 -> 97.5 / 90.0.
+    SPINDLE_DISABLE_EVENT_LOOP_ON_COMPUTE_CORE=1 leaves them free.
+    """
+    places = environ.get("OMP_PLACES", "")
+    if not environ.get("OMP_PROC_BIND") or switch_on("SPINDLE_DISABLE_EVENT_LOOP_ON_COMPUTE_CORE"):
+        return ()
+    first = re.fullmatch(r"\{([0-9,]+)\}(?:,.*)?", places)
+    return tuple(int(c) for c in first.group(1).split(",")) if first else ()
 
 
 def pin_process(cores: Sequence[int]) -> None:

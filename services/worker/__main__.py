@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from services.cpu_affinity import add_cpu_cores_argument
+from services.cpu_affinity import add_cpu_cores_argument, compute_core
 from services.cpu_quota import cgroup_cpu_limit, threads_for_quota
 from services.worker.config import DEFAULT_LISTEN, ENCODER_MATMULS, KV_CACHE_DTYPES, WEIGHT_DTYPES, WorkerConfig
 from services.worker.openmp_wait import configure_openmp_wait
@@ -173,8 +173,10 @@ async def serve(config: WorkerConfig) -> None:
     from services.worker import service  # imports torch, which reads the policy as it loads
 
     # Where OMP_PROC_BIND is set (services/cpu_affinity.py), libgomp bound this thread to its
-    # first place as torch loaded; the event loop and the threads it starts keep the worker's cores.
-    os.sched_setaffinity(0, cores)
+    # first place as torch loaded. The event loop and the threads it starts (gRPC's, the compute
+    # thread) run on that place's core, the compute thread's (`compute_core` says why); unbound,
+    # they keep the worker's cores.
+    os.sched_setaffinity(0, compute_core() or cores)
     await service.serve(config)
 
 

@@ -17,6 +17,7 @@ from services.cpu_affinity import (
     AUTO_POLICY,
     CorePlan,
     add_cpu_cores_argument,
+    compute_core,
     format_cores,
     parse_cores,
     plan_cores,
@@ -77,6 +78,18 @@ def test_explicit_maps() -> None:
 def test_worker_environment_binds_one_thread_per_core() -> None:
     assert worker_env(()) == {}
     assert worker_env((2, 3)) == {"OMP_NUM_THREADS": "2", "OMP_PLACES": "{2},{3}", "OMP_PROC_BIND": "close"}
+
+
+def test_compute_core_is_a_bound_workers_first_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SPINDLE_DISABLE_EVENT_LOOP_ON_COMPUTE_CORE", raising=False)
+    assert compute_core(worker_env((2, 3))) == (2,)
+    assert compute_core(worker_env((5,))) == (5,)
+    assert compute_core({"OMP_PROC_BIND": "close", "OMP_PLACES": "{0,1},{2,3}"}) == (0, 1)
+    assert compute_core({"OMP_PLACES": "{0},{1}"}) == ()  # threads not bound: nothing to follow
+    assert compute_core({"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}) == ()  # not worker_env's form
+    assert compute_core({}) == ()
+    monkeypatch.setenv("SPINDLE_DISABLE_EVENT_LOOP_ON_COMPUTE_CORE", "1")
+    assert compute_core(worker_env((2, 3))) == ()
 
 
 def test_cpu_cores_flag_and_worker_threads(monkeypatch: pytest.MonkeyPatch) -> None:
