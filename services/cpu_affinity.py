@@ -202,7 +202,9 @@ def compute_core(environ: Mapping[str, str] = os.environ) -> tuple[int, ...]:
     while it held the GIL, it kept the compute thread waiting for the GIL in the step's next
     Python, and it took the helper's core in the middle of the forward pass. On the compute
     thread's core it runs when the compute thread yields after each step (round_pipeline.py), and
-    nothing else there preempts it. Measured (2-core AMD EPYC Zen 4, bf16, 128 + 128 tokens, a
+    with the default placement nothing else there preempts it (the host services are on the
+    last core). A CPU worker only: a CUDA worker's compute thread waits on the device, untested
+    here. Measured (2-core AMD EPYC Zen 4, bf16, 128 + 128 tokens, a
     fresh server per run, pairs interleaved, 2026-11-30), output tok/s, free -> compute core:
     moved by `taskset` after start-up, small model one stream 578 / 736 -> 840 / 942, medium one
     stream 95.0 / 92.2 -> 98.9 / 100.2 (its step's Python before the forward pass 0.26-0.42 ->
@@ -214,10 +216,10 @@ def compute_core(environ: Mapping[str, str] = os.environ) -> tuple[int, ...]:
     557 (4 of 5 pairs faster, +8 % on average), medium 91.6 / 91.8 -> 97.5 / 90.0.
     SPINDLE_DISABLE_EVENT_LOOP_ON_COMPUTE_CORE=1 leaves them free.
     """
-    places = environ.get("OMP_PLACES", "")
-    if not environ.get("OMP_PROC_BIND") or switch_on("SPINDLE_DISABLE_EVENT_LOOP_ON_COMPUTE_CORE"):
-        return ()
-    first = re.fullmatch(r"\{([0-9,]+)\}(?:,.*)?", places)
+    bind = environ.get("OMP_PROC_BIND", "").strip().lower()
+    if not bind or bind.startswith("false") or switch_on("SPINDLE_DISABLE_EVENT_LOOP_ON_COMPUTE_CORE", environ):
+        return ()  # libgomp binds nothing (OMP_PROC_BIND=false ignores the places), or switched off
+    first = re.fullmatch(r"\{(\d+(?:,\d+)*)\}(?:,.*)?", environ.get("OMP_PLACES", "").strip())
     return tuple(int(c) for c in first.group(1).split(",")) if first else ()
 
 

@@ -7,8 +7,9 @@ on when its variable is set to anything but "" or "0".
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 
-def switch_on(name: str) -> bool:
+def switch_on(name: str, environ: Mapping[str, str] = os.environ) -> bool:
     """True where the environment variable `name` is set to anything but "" or "0"."""
-    return os.environ.get(name, "") not in ("", "0")
+    return environ.get(name, "") not in ("", "0")

@@ -171,12 +171,14 @@ async def serve(config: WorkerConfig) -> None:
     configure_openmp_wait(config.model)
     cores = os.sched_getaffinity(0)
     from services.worker import service  # imports torch, which reads the policy as it loads
+    from services.worker.worker import runs_on_cpu
 
     # Where OMP_PROC_BIND is set (services/cpu_affinity.py), libgomp bound this thread to its
-    # first place as torch loaded. The event loop and the threads it starts (gRPC's, the compute
-    # thread) run on that place's core, the compute thread's (`compute_core` says why); unbound,
-    # they keep the worker's cores.
-    os.sched_setaffinity(0, compute_core() or cores)
+    # first place as torch loaded. On a CPU worker the event loop and the threads it starts
+    # (gRPC's, the compute thread) run on that place's core, the compute thread's (`compute_core`
+    # says why); otherwise they keep the worker's cores.
+    first_place = set(compute_core()) & cores if runs_on_cpu(config.device) else set()
+    os.sched_setaffinity(0, first_place or cores)
     await service.serve(config)
 
 

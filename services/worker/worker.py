@@ -37,6 +37,11 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def runs_on_cpu(name: str) -> bool:
+    """Whether a worker told `--device name` computes on the CPU (auto: when CUDA is absent)."""
+    return name == "cpu" or (name == "auto" and not torch.cuda.is_available())
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

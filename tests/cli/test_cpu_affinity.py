@@ -88,8 +88,11 @@ def test_compute_core_is_a_bound_workers_first_place(monkeypatch: pytest.MonkeyP
     assert compute_core({"OMP_PLACES": "{0},{1}"}) == ()  # threads not bound: nothing to follow
     assert compute_core({"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}) == ()  # not worker_env's form
     assert compute_core({}) == ()
+    assert compute_core({"OMP_PROC_BIND": "false", "OMP_PLACES": "{0},{1}"}) == ()  # libgomp binds nothing
+    assert compute_core({"OMP_PROC_BIND": "close", "OMP_PLACES": "{0,},{1}"}) == ()  # malformed: libgomp warns
+    assert compute_core({**worker_env((2, 3)), "SPINDLE_DISABLE_EVENT_LOOP_ON_COMPUTE_CORE": "1"}) == ()
     monkeypatch.setenv("SPINDLE_DISABLE_EVENT_LOOP_ON_COMPUTE_CORE", "1")
-    assert compute_core(worker_env((2, 3))) == ()
+    assert compute_core(worker_env((2, 3))) == (2,)  # the switch is read from the environment given
 
 
 def test_cpu_cores_flag_and_worker_threads(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -43,6 +43,17 @@ def _children(pid: int) -> dict[str, int]:
     return found
 
 
+def _thread_cores(pid: int) -> list[tuple[int, ...]]:
+    """The cores each thread of `pid` may run on."""
+    found = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            found.append(tuple(sorted(os.sched_getaffinity(int(tid)))))
+        except OSError:
+            continue  # the thread exited while we looked
+    return found
+
+
 def _environ(pid: int) -> dict[str, str]:
     pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(p.decode().split("=", 1) for p in pairs if b"=" in p)
@@ -71,4 +82,9 @@ def test_default_placement_pins_every_service_and_keeps_greedy_output(tiny_model
             return [r.token_ids for r in results]
 
         got = asyncio.run(generate_all())
+        # After requests: the compute thread and the event loop's threads share the first core
+        # (libgomp binds the compute thread there), and a bound helper runs on each other core.
+        threads = _thread_cores(children["worker"])
+        assert threads.count((cores[0],)) >= 3, threads
+        assert all((core,) in threads for core in cores[1:]), threads
     assert got == [greedy_tokens(model_dir, p, 16) for p in PROMPTS]
