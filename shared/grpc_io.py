@@ -30,14 +30,17 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 
+from shared.switches import switch_on
+
 ENV = "SPINDLE_GRPC_EVENT_ENGINE"
 LEGACY_POLLING_EXPERIMENTS = "-event_engine_client,-event_engine_listener"
 
 
 def configure_grpc_io(environ: MutableMapping[str, str] = os.environ) -> str | None:
-    """Set GRPC_EXPERIMENTS for `SPINDLE_GRPC_EVENT_ENGINE` (default 0: gRPC's epoll polling in
-    its poller thread; 1: gRPC's default EventEngine); returns what it set, None if nothing."""
-    if environ.get(ENV, "0") != "0" or "GRPC_EXPERIMENTS" in environ:
+    """Set GRPC_EXPERIMENTS for `SPINDLE_GRPC_EVENT_ENGINE` (unset, "" or 0: gRPC's epoll polling
+    in its poller thread; anything else: gRPC's default EventEngine, read as the SPINDLE_DISABLE_*
+    switches are); returns what it set, None if nothing."""
+    if switch_on(ENV, environ) or "GRPC_EXPERIMENTS" in environ:
         return None
     environ["GRPC_EXPERIMENTS"] = LEGACY_POLLING_EXPERIMENTS
     return LEGACY_POLLING_EXPERIMENTS

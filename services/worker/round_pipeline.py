@@ -21,6 +21,8 @@ compute thread's own core, and Linux lets the busy compute thread finish its tim
 (milliseconds), so that step's tokens waited in the worker. `perf sched timehist` showed the
 event loop's thread runnable but off a core for 3-5 ms a few times a second at one stream of
 the small model. The yield lets it send the tokens now, for one system call a step. Where the
+worker's threads are bound, the event loop always shares the compute thread's core
+(services/cpu_affinity.py `compute_core`), so the yield is what lets it run. Unbound, where the
 woken thread lands on the second core instead, the work pool's helper there gives way to it
 (kernels/csrc/work_pool.cpp: SCHED_IDLE helpers). With both, ITL p99 at one stream of the
 small model came down from 5-6x its median to about 3x (figures in the README, "CPU speed").

@@ -11,7 +11,7 @@ from shared.grpc_io import ENV, LEGACY_POLLING_EXPERIMENTS, configure_grpc_io
 
 
 def test_epoll_polling_by_default_turns_the_event_engine_client_and_listener_off() -> None:
-    for environ in ({}, {ENV: "0"}):
+    for environ in ({}, {ENV: "0"}, {ENV: ""}):
         assert configure_grpc_io(environ) == LEGACY_POLLING_EXPERIMENTS
         assert environ["GRPC_EXPERIMENTS"] == "-event_engine_client,-event_engine_listener"
 
