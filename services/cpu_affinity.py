@@ -207,8 +207,8 @@ def compute_core(environ: Mapping[str, str] = os.environ) -> tuple[int, ...]:
     here. Measured (2-core AMD EPYC Zen 4, bf16, 128 + 128 tokens, a
     fresh server per run, pairs interleaved, 2026-11-30), output tok/s, free -> compute core:
     moved by `taskset` after start-up, small model one stream 578 / 736 -> 840 / 942, medium one
-    stream 95.0 / 92.2 -> 98.9 / 100.2 (its step's Python before the forward pass 0.26-0.42 ->
-    0.20 ms), 64 streams small 4,226 / 4,340 -> 4,220 / 5,166, medium 571 / 675 -> 559 / 655;
+    stream 95.0 / 92.2 -> 98.9 / 100.2 (its step's Python before the forward pass 0.35 / 0.55 ->
+    0.26 / 0.26 ms), 64 streams small 4,226 / 4,340 -> 4,220 / 5,166, medium 571 / 675 -> 559 / 655;
     then this code, `python -m benchmarks.run --models small,medium --concurrency 1
     --num-requests 24 --configs spindle --scheduler-steps 8 --spindle-arg=--dtype
     --spindle-arg=bfloat16 --spindle-env-variant free:SPINDLE_DISABLE_EVENT_LOOP_ON_COMPUTE_CORE=1
