@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from services.cpu_affinity import add_cpu_cores_argument, compute_core
+from services.cpu_affinity import add_cpu_cores_argument
 from services.cpu_quota import cgroup_cpu_limit, threads_for_quota
 from services.worker.config import DEFAULT_LISTEN, ENCODER_MATMULS, KV_CACHE_DTYPES, WEIGHT_DTYPES, WorkerConfig
 from services.worker.openmp_wait import configure_openmp_wait
@@ -171,14 +171,10 @@ async def serve(config: WorkerConfig) -> None:
     configure_openmp_wait(config.model)
     cores = os.sched_getaffinity(0)
     from services.worker import service  # imports torch, which reads the policy as it loads
-    from services.worker.worker import runs_on_cpu
-
     # Where OMP_PROC_BIND is set (services/cpu_affinity.py), libgomp bound this thread to its
-    # first place as torch loaded. On a CPU worker the event loop and the threads it starts
-    # (gRPC's, the compute thread) run on that place's core, the compute thread's (`compute_core`
-    # says why); otherwise they keep the worker's cores.
-    first_place = set(compute_core()) & cores if runs_on_cpu(config.device) else set()
-    os.sched_setaffinity(0, first_place or cores)
+    # first place as torch loaded; the event loop gets the worker's cores back, and on a CPU
+    # worker `service.serve` then puts it on the compute thread's core (`pin_event_loop`).
+    os.sched_setaffinity(0, cores)
     await service.serve(config)
 
 

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import grpc
 
+from services.cpu_affinity import compute_core
 from services.worker.config import WorkerConfig
 from services.worker.round_pipeline import RoundPipeline, compute_thread
 from services.worker.servicer import WorkerServicer
 from services.worker.telemetry import WorkerTelemetry
-from services.worker.worker import Worker
+from services.worker.worker import Worker, runs_on_cpu
 from shared.grpc_server import start_grpc, wait_for_shutdown
 from shared.metrics import serve_metrics
 from shared.pb.spindle.v1 import worker_pb2, worker_pb2_grpc
@@ -27,8 +29,20 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
 
+def pin_event_loop(config: WorkerConfig) -> None:
+    """On a CPU worker whose OpenMP threads are bound, this thread (the event loop) and the threads
+    it starts from now on (gRPC's, the compute thread) go to the compute thread's core, within the
+    worker's own cores (services/cpu_affinity.py `compute_core` says why). A CUDA worker's compute
+    thread waits on the device instead: untested there, so left as it was."""
+    cores = os.sched_getaffinity(0)
+    first_place = set(compute_core()) & cores if runs_on_cpu(config.device) else set()
+    if first_place:
+        os.sched_setaffinity(0, first_place)
+
+
 async def serve(config: WorkerConfig) -> None:
     """Serve until SIGTERM/SIGINT; SERVING once the model is loaded and the KV cache allocated."""
+    pin_event_loop(config)  # before gRPC starts its threads and the compute thread starts
     servicer = WorkerServicer()
 
     def register(server: grpc.aio.Server) -> None:
