@@ -196,8 +196,8 @@ def compute_core(environ: Mapping[str, str] = os.environ) -> tuple[int, ...]:
     where the worker's threads are not bound (no OMP_PROC_BIND) or the places are in another form.
 
     Why the worker puts its Python threads there (its event loop, gRPC's threads, the compute
-    thread; services/worker/__main__.py): each step's tokens are handed to the event loop, which
-    converts and sends them while holding the GIL. Free to run on any core, it ran on the last
+    thread; services/worker/service.py `pin_event_loop`): each step's tokens are handed to the
+    event loop, which converts and sends them while holding the GIL. Free to run on any core, it ran on the last
     core, beside the OpenMP helper thread, the scheduler and the frontend: taken off that core
     while it held the GIL, it kept the compute thread waiting for the GIL in the step's next
     Python, and it took the helper's core in the middle of the forward pass. On the compute
