@@ -197,18 +197,18 @@ def compute_core(environ: Mapping[str, str] = os.environ) -> tuple[int, ...]:
 
     Why the worker puts its Python threads there (its event loop, gRPC's threads, the compute
     thread; services/worker/service.py `pin_event_loop`): each step's tokens are handed to the
-    event loop, which converts and sends them while holding the GIL. Free to run on any core, it ran on the last
-    core, beside the OpenMP helper thread, the scheduler and the frontend: taken off that core
-    while it held the GIL, it kept the compute thread waiting for the GIL in the step's next
-    Python, and it took the helper's core in the middle of the forward pass. On the compute
-    thread's core it runs when the compute thread yields after each step (round_pipeline.py), and
-    with the default placement nothing else there preempts it (the host services are on the
-    last core). A CPU worker only: a CUDA worker's compute thread waits on the device, untested
-    here. Measured (2-core AMD EPYC Zen 4, bf16, 128 + 128 tokens, a
-    fresh server per run, pairs interleaved, 2026-11-30), output tok/s, free -> compute core:
-    moved by `taskset` after start-up, small model one stream 578 / 736 -> 840 / 942, medium one
-    stream 95.0 / 92.2 -> 98.9 / 100.2 (its step's Python before the forward pass 0.35 / 0.55 ->
-    0.26 / 0.26 ms), 64 streams small 4,226 / 4,340 -> 4,220 / 5,166, medium 571 / 675 -> 559 / 655;
+    event loop, which converts and sends them while holding the GIL. Free to run on any core, it
+    ran on the last core, beside the OpenMP helper thread, the scheduler and the frontend: taken
+    off that core while it held the GIL, it kept the compute thread waiting for the GIL in the
+    step's next Python, and it took the helper's core in the middle of the forward pass. On the
+    compute thread's core it runs when the compute thread yields after each step
+    (round_pipeline.py), and with the default placement nothing else there preempts it (the host
+    services are on the last core). A CPU worker only: a CUDA worker's compute thread waits on
+    the device, untested here. Measured (2-core AMD EPYC Zen 4, bf16, 128 + 128 tokens, a fresh
+    server per run, pairs interleaved, 2026-11-30), output tok/s, free -> compute core: moved by
+    `taskset` after start-up, small model one stream 578 / 736 -> 840 / 942, medium one stream
+    95.0 / 92.2 -> 98.9 / 100.2 (its step's Python before the forward pass 0.35 / 0.55 -> 0.26 /
+    0.26 ms), 64 streams small 4,226 / 4,340 -> 4,220 / 5,166, medium 571 / 675 -> 559 / 655;
     then this code, `python -m benchmarks.run --models small,medium --concurrency 1
     --num-requests 24 --configs spindle --scheduler-steps 8 --spindle-arg=--dtype
     --spindle-arg=bfloat16 --spindle-env-variant free:SPINDLE_DISABLE_EVENT_LOOP_ON_COMPUTE_CORE=1

@@ -43,11 +43,11 @@ def runs_on_cpu(name: str) -> bool:
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
+    if runs_on_cpu(name):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():  # auto finds CUDA (runs_on_cpu): only an explicit cuda gets here
         raise ValueError("device='cuda' but torch sees no CUDA device")
-    return torch.device(name)
+    return torch.device("cuda")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
