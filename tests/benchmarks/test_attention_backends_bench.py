@@ -1,4 +1,5 @@
-"""The attention comparison benchmarks: run.py's per-backend spindle jobs and attention_bench's batches."""
+"""The attention comparison benchmarks: run.py's per-backend spindle jobs, attention_bench's batches and
+encoder_attention_bench's table."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
+from benchmarks import encoder_attention_bench
 from benchmarks.attention_bench import BLOCK_SIZE, decode_metadata, prefill_gflop, prefill_metadata
 from benchmarks.models import BENCH_MODELS
 from benchmarks.run import BenchSettings, parse_settings, plan
@@ -58,3 +61,15 @@ def test_run_checks_the_context_of_the_models_it_runs() -> None:
     assert parse_settings(["--models", "medium-long", "--input-len", "4000", "--output-len", "9"]).input_len == 4000
     with pytest.raises(ValueError, match="exceeds 2048"):
         parse_settings(["--models", "medium,medium-long", "--input-len", "4000", "--output-len", "9"])
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+def test_encoder_attention_bench_times_the_kernel_against_the_sdpa_loop(capsys: pytest.CaptureFixture[str]) -> None:
+    threads = torch.get_num_threads()
+    try:
+        encoder_attention_bench.main(["--repeats", "2", "--threads", "1"])  # checks both agree before timing
+    finally:
+        torch.set_num_threads(threads)
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if " tokens | " in line]
+    assert [row[0] for row in rows] == [f"| {label}" for label in encoder_attention_bench.batches()]
+    assert all(float(row[-1].strip(" |")) > 0 for row in rows)  # loop / kernel

