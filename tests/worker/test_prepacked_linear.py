@@ -87,3 +87,25 @@ def test_bf16_inputs_run_the_bf16_gemm_and_return_float32(gelu: bool) -> None:
     reference = F.gelu(reference) if gelu else reference
     torch.testing.assert_close(out, reference, atol=5e-2, rtol=2e-2)  # bf16's 8-bit mantissa, not float32's
     assert not torch.equal(out, reference)
+
+
+@needs_onednn
+def test_bf16_inputs_hand_a_bf16_result_on_unwidened_with_the_same_values() -> None:
+    """`widen=False` gives the bf16 result as it is; a next bf16-input layer takes it as the float32 it
+    would have rounded (an encoder MLP's two GEMMs), and the bias is rounded once, again when it changes."""
+    torch.manual_seed(0)
+    up, down = PrepackedLinear(48, 80, gelu=True), PrepackedLinear(80, 48)
+    use_bf16_inputs(nn.Sequential(up, down))
+    x = torch.randn(20, 48)
+    with torch.inference_mode():
+        half = up(x, widen=False)
+        assert half.dtype == torch.bfloat16 and torch.equal(half.float(), up(x))
+        assert torch.equal(down(half), down(half.float()))
+        rounded = down.onednn._rounded_bias(down.bias)
+        assert rounded is down.onednn._rounded_bias(down.bias) and torch.equal(rounded, down.bias.to(torch.bfloat16))
+        before = down(half)
+    with torch.no_grad():
+        down.bias.add_(1.0)  # a new value: rounded again, and the layer computes with it
+    with torch.inference_mode():
+        assert torch.equal(down.onednn._rounded_bias(down.bias), down.bias.to(torch.bfloat16))
+        torch.testing.assert_close(down(half), before + 1.0, atol=2e-2, rtol=0)  # within bf16's rounding

@@ -91,7 +91,8 @@ class EncoderLayer(nn.Module):
         q, k, v = (t.view(-1, s.num_heads, s.head_dim) for t in self.qkv_proj(x).split(self.hidden_size, -1))
         attn = self.attention.forward(s, q, k, v, meta).reshape(-1, self.hidden_size)
         x = self.attn_norm(self.o_proj(attn) + x)
-        return self.mlp_norm(self.down_proj(self.up_proj(x)) + x)
+        # Under bf16 inputs the GELU output stays bf16 into down_proj (which would round it anyway).
+        return self.mlp_norm(self.down_proj(self.up_proj(x, widen=False)) + x)
 
 
 class ClassificationHead(nn.Module):

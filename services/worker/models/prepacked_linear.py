@@ -24,7 +24,11 @@ residual stream, layer norms, attention and pooling stay float32. The GEMMs are 
 encoder round, and oneDNN's bf16 GEMM runs at ~2x its fp32 one on AVX512-BF16: all-MiniLM-L6-v2,
 64-sentence rounds, in process on a 2-core AMD Zen 4, 6,700-7,689 -> 9,862-11,005 tokens/s, every vector
 within cosine 0.99997 of float32 (`--dtype bfloat16`, the residual stream in bf16 too: 12,345-13,081
-tokens/s, but only 0.99993).
+tokens/s, but only 0.99993). Between an encoder MLP's two GEMMs the GELU output stays bf16
+(`widen=False`: down_proj would round it again, so the values are the same), and each layer's bias
+is rounded once, not every call: bit-identical vectors, the worker's round 15.00 -> 14.10 ms for
+one 116-token sentence and 352.0 -> 335.2 ms for 32 of 12-250 tokens (2-core AMD Zen 4, old and
+new called in turn in one process, 2026-11-30).
 
 `PrepackedLinear(..., gelu=True)` returns exact (erf) GELU of the projection, applied by oneDNN
 as a post-op on each output tile while it is in cache: at BERT's MLP shape (7,600 rows, 384 ->
@@ -86,13 +90,13 @@ class OneDnnWeight:
     def __init__(self) -> None:
         self.packed: torch.Tensor | None = None
         self._packed_for: tuple[int, int, torch.dtype] | None = None  # (data_ptr, version, dtype) packed
+        self._bias16: tuple[tuple[int, int], torch.Tensor] | None = None  # bf16_inputs: the bias rounded, once
 
     def get(self, weight: torch.Tensor, bias: torch.Tensor | None,
             dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
         """The copy of `weight` as it is now, packed for `dtype` activations; None where oneDNN
         cannot stand in for F.linear."""
-        # Inference tensors (made under inference_mode) keep no version counter: their storage decides.
-        key = (weight.data_ptr(), -1 if weight.is_inference() else weight._version, dtype)
+        key = (*_identity(weight), dtype)
         if key != self._packed_for:
             with torch.no_grad():
                 self.packed = _reorder(weight, bias, dtype)
@@ -100,19 +104,36 @@ class OneDnnWeight:
         return self.packed
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               gelu: bool = False, bf16_inputs: bool = False) -> torch.Tensor:
+               gelu: bool = False, bf16_inputs: bool = False, widen: bool = True) -> torch.Tensor:
         """F.linear(x, weight, bias) (then exact GELU where `gelu`), through oneDNN where the weight
-        packs and x is CPU float32 or bfloat16; `bf16_inputs`: float32 x runs the bfloat16 GEMM
-        (x, weight and bias rounded, float32 accumulation) and gets float32 back."""
-        if bf16_inputs and x.dtype == torch.float32:
-            half = self.linear(x.to(torch.bfloat16), weight, None if bias is None else bias.to(torch.bfloat16), gelu)
-            return half.float()
+        packs and x is CPU float32 or bfloat16; `bf16_inputs`: x (float32, or bfloat16 already)
+        runs the bfloat16 GEMM (x, weight and bias rounded, float32 accumulation) and gets float32
+        back, or the bfloat16 result as it is where not `widen` (for a next GEMM that would round
+        it again: the same values, two copies fewer)."""
+        if bf16_inputs and x.dtype in PACKABLE_DTYPES:
+            half = self.linear(x.to(torch.bfloat16), weight, self._rounded_bias(bias), gelu)
+            return half.float() if widen else half
         packed = self.get(weight, bias, x.dtype) if x.device.type == "cpu" else None
         if packed is None:
             y = F.linear(x, weight.to(x.dtype), bias)  # the cast is a no-op unless the weight is stored narrower
             return F.gelu(y) if gelu else y
         rows = x.reshape(-1, x.shape[-1])
         return _packed_linear(rows, packed, bias, gelu).view(*x.shape[:-1], weight.shape[0])
+
+    def _rounded_bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """`bias` in bfloat16, rounded once (again only when it changes), not at every call."""
+        if bias is None:
+            return None
+        key = _identity(bias)
+        if self._bias16 is None or self._bias16[0] != key:
+            self._bias16 = (key, bias.detach().to(torch.bfloat16))
+        return self._bias16[1]
+
+
+def _identity(t: torch.Tensor) -> tuple[int, int]:
+    """(storage, version) of a parameter: a new value changes one of them. Inference tensors (made
+    under inference_mode) keep no version counter: their storage decides."""
+    return t.data_ptr(), -1 if t.is_inference() else t._version
 
 
 class PrepackedLinear(nn.Linear):
@@ -125,8 +146,9 @@ class PrepackedLinear(nn.Linear):
         self.gelu = gelu
         self.bf16_inputs = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.onednn.linear(x, self.weight, self.bias, self.gelu, self.bf16_inputs)
+    def forward(self, x: torch.Tensor, widen: bool = True) -> torch.Tensor:
+        """`widen=False`: under `bf16_inputs`, the bfloat16 result for a next PrepackedLinear (else float32)."""
+        return self.onednn.linear(x, self.weight, self.bias, self.gelu, self.bf16_inputs, widen)
 
 
 def use_bf16_inputs(model: nn.Module) -> int:
