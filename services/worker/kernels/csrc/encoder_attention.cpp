@@ -14,8 +14,9 @@
 // slab at a time, 8 (AVX2) or 16 (AVX-512) of them transposed into [head_dim][lanes], so each
 // score, the softmax's max, sum and exponentials, and each output dimension are one register
 // over the slab, and every key or value element is broadcast once for the whole slab: no
-// horizontal sums, no copies of the keys and values (they are read in place as broadcasts).
-// This is the layout of paged attention's prefill tiles (paged_attention.cpp `run_tiles`,
+// horizontal sums. The item first copies its head's keys and values into contiguous buffers
+// (in the packed qkv output one token's row is thousands of floats from the next; read in
+// place, the slabs ran no faster than the old kernel). This is the layout of paged attention's prefill tiles (paged_attention.cpp `run_tiles`,
 // prefill_lanes.h). It replaced one query (or pair) at a time against 8 keys side by side,
 // each dot product reduced across lanes. Measured against that kernel, both built alike and
 // called in turn in one process (2-core AMD EPYC Zen 4, 12 heads of 32, median us a call, 2
