@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from services.worker.attention.packed_encoder import (
 )
 from services.worker.config import WorkerConfig
 from services.worker.kernels.build import kernels_error
+from services.worker.models.prepacked_linear import PrepackedLinear
 from services.worker.step_output import PooledStep
 from services.worker.worker import Worker
 from shared.execute import ExecuteRound, PoolingRequestData
@@ -114,6 +116,39 @@ def test_batch_kernel_equals_float64_attention_on_qkv_views(heads: int, dim: int
     out = torch.ops.spindle.encoder_attention(q, k, v, starts, dim**-0.5)
     assert out.shape == (sum(lens), heads, dim) and out.is_contiguous()
     torch.testing.assert_close(out, _reference(q, k, v, lens, dim**-0.5), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+@pytest.mark.parametrize(("heads", "dim"), [(12, 32), (2, 20)])
+def test_batch_kernel_on_bf16_computes_in_float32_and_rounds_only_its_output(heads: int, dim: int) -> None:
+    """bf16 query/key/value give what float32 ones holding the same values give, rounded to bf16."""
+    lens = [1, 9, 250, 33]
+    qkv = torch.randn(sum(lens), 3 * heads * dim, generator=torch.Generator().manual_seed(dim)).to(torch.bfloat16)
+    q, k, v = (t.view(-1, heads, dim) for t in qkv.split(heads * dim, -1))
+    starts = torch.tensor(np.concatenate(([0], np.cumsum(lens))), dtype=torch.int64)
+    out = torch.ops.spindle.encoder_attention(q, k, v, starts, dim**-0.5)
+    wide = torch.ops.spindle.encoder_attention(q.float(), k.float(), v.float(), starts, dim**-0.5)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, wide.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="of query's dtype"):
+        torch.ops.spindle.encoder_attention(q, k.float(), v, starts, dim**-0.5)
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+def test_bf16_gemm_layers_hand_qkv_over_in_bf16_with_the_same_vectors(minilm_dir: Path) -> None:
+    """Under bf16 GEMM inputs the qkv projection's bf16 result goes to the kernel as it is: the
+    vectors are bit for bit those of widening it to float32 first."""
+    worker = Worker(WorkerConfig(model=str(minilm_dir), num_threads=2, encoder_matmul="bfloat16"))
+    requests = _requests(RequestKind.EMBED)
+    attention = worker.model.layers[0].attention
+    assert worker.model.layers[0].qkv_proj.bf16_inputs and attention.accepts_bf16(torch.device("cpu"))
+    seen: list[torch.dtype] = []
+    hook = worker.model.layers[0].o_proj.register_forward_pre_hook(lambda _m, args: seen.append(args[0].dtype))
+    narrow = _pooled(worker, requests)
+    hook.remove()
+    assert seen == [torch.bfloat16]
+    for layer in worker.model.layers:  # qkv widened to float32 again, the same kernel after it
+        layer.qkv_proj.forward = partial(PrepackedLinear.forward, layer.qkv_proj)  # type: ignore[method-assign]
+    assert torch.equal(narrow, _pooled(worker, requests))
 
 
 @pytest.mark.usefixtures("cpu_kernels")

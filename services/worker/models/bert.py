@@ -87,11 +87,15 @@ class EncoderLayer(nn.Module):
         self.attention = attention
 
     def forward(self, x: torch.Tensor, meta: Any) -> torch.Tensor:
+        # Under bf16 GEMM inputs, results that the next step would round again stay bf16: the qkv
+        # projection's into the attention kernel (float32 inside, its output rounded as o_proj
+        # would round it), the GELU output into down_proj. The same values, fewer passes.
         s = self.spec
-        q, k, v = (t.view(-1, s.num_heads, s.head_dim) for t in self.qkv_proj(x).split(self.hidden_size, -1))
+        narrow_qkv = self.qkv_proj.bf16_inputs and self.attention.accepts_bf16(x.device)
+        qkv = self.qkv_proj(x, widen=not narrow_qkv)
+        q, k, v = (t.view(-1, s.num_heads, s.head_dim) for t in qkv.split(self.hidden_size, -1))
         attn = self.attention.forward(s, q, k, v, meta).reshape(-1, self.hidden_size)
         x = self.attn_norm(self.o_proj(attn) + x)
-        # Under bf16 inputs the GELU output stays bf16 into down_proj (which would round it anyway).
         return self.mlp_norm(self.down_proj(self.up_proj(x, widen=False)) + x)
 
 

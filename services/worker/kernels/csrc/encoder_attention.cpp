@@ -28,8 +28,13 @@
 // benchmarks.encoder_attention_bench`. Without AVX2, `ScalarHead` computes the same in plain
 // loops.
 //
-// Inputs: query, key, value [tokens, heads, head_dim] float32 with contiguous heads (any token
-// stride: views of the fused qkv projection); query_start_loc [sequences + 1] int64.
+// Inputs: query, key, value [tokens, heads, head_dim], float32 or bf16 alike, with contiguous
+// heads (any token stride: views of the fused qkv projection); query_start_loc [sequences + 1]
+// int64. The output has their dtype. bf16 is widened as it is copied and the arithmetic is
+// float32 throughout; the output is rounded (to nearest even) only as it is stored, as an
+// encoder's next GEMM on bf16 inputs (prepacked_linear.py) would round a float32 output: so a
+// layer whose qkv projection hands over its bf16 result computes the same values, without
+// widening the projection's output and rounding the attention's in two passes of their own.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -49,53 +54,58 @@
 namespace spindle {
 namespace {
 
-// Where one item reads and writes: the packed tensors' data, token strides and head size.
+// Where one item reads and writes: the packed tensors' data (float32 or bf16, T), token strides
+// and head size.
+template <typename T>
 struct Packed {
   Packed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, float scale)
-      : q(q.data_ptr<float>()), k(k.data_ptr<float>()), v(v.data_ptr<float>()), out(out.data_ptr<float>()),
+      : q(q.data_ptr<T>()), k(k.data_ptr<T>()), v(v.data_ptr<T>()), out(out.data_ptr<T>()),
         qs(q.stride(0)), ks(k.stride(0)), vs(v.stride(0)), os(out.stride(0)), D(q.size(2)), scale(scale) {}
-  const float *q, *k, *v;
-  float* out;
+  const T *q, *k, *v;
+  T* out;
   const int64_t qs, ks, vs, os, D;
   const float scale;
 };
 
 // One query row at a time: its scores against every key, softmax, weighted sum of the values.
+template <typename T>
 class ScalarHead {
  public:
-  explicit ScalarHead(const Packed& p) : p_(p) {}
+  explicit ScalarHead(const Packed<T>& p) : p_(p) {}
 
   // Head h of the L tokens from t0.
   void run(int64_t t0, int64_t L, int64_t h) {
     const int64_t D = p_.D;
     scores_.resize(L);
+    acc_.resize(D);
     for (int64_t i = t0; i < t0 + L; ++i) {
-      const float* q = p_.q + i * p_.qs + h * D;
+      const T* q = p_.q + i * p_.qs + h * D;
       for (int64_t j = 0; j < L; ++j) {
-        const float* kj = p_.k + (t0 + j) * p_.ks + h * D;
+        const T* kj = p_.k + (t0 + j) * p_.ks + h * D;
         float dot = 0.0f;
-        for (int64_t d = 0; d < D; ++d) dot += q[d] * kj[d];
+        for (int64_t d = 0; d < D; ++d) dot += to_float(q[d]) * to_float(kj[d]);
         scores_[j] = dot * p_.scale;
       }
       const float inv_sum = 1.0f / exp_shifted_sum(scores_.data(), 0, L, max_of(scores_.data(), 0, L));
-      float* dst = p_.out + i * p_.os + h * D;
-      std::fill_n(dst, D, 0.0f);
+      std::fill(acc_.begin(), acc_.end(), 0.0f);
       for (int64_t j = 0; j < L; ++j) {
         const float w = scores_[j] * inv_sum;
-        const float* vj = p_.v + (t0 + j) * p_.vs + h * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] += w * vj[d];
+        const T* vj = p_.v + (t0 + j) * p_.vs + h * D;
+        for (int64_t d = 0; d < D; ++d) acc_[d] += w * to_float(vj[d]);
       }
+      T* dst = p_.out + i * p_.os + h * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(acc_[d]);
     }
   }
 
  private:
-  const Packed& p_;
-  std::vector<float> scores_;
+  const Packed<T>& p_;
+  std::vector<float> scores_, acc_;
 };
 
 #ifdef __AVX2__
 // Query vectors in lanes (the file's header says why): L::N queries a slab.
-template <typename L>
+template <typename L, typename T>
 class LaneHead {
   static constexpr int64_t N = L::N;
   static constexpr int64_t kKeys = 8;            // keys a pass over the head dimension: 8 score chains
@@ -103,7 +113,7 @@ class LaneHead {
   using V = typename L::V;
 
  public:
-  explicit LaneHead(const Packed& p) : p_(p) {}
+  explicit LaneHead(const Packed<T>& p) : p_(p) {}
 
   // Head h of the L tokens from t0.
   void run(int64_t t0, int64_t len, int64_t h) {
@@ -112,9 +122,9 @@ class LaneHead {
     w_.resize(len * N);
     kc_.resize(len * D);
     vc_.resize(len * D);
-    for (int64_t j = 0; j < len; ++j) {  // contiguous: every slab reads them all, in order, from L1
-      std::copy_n(p_.k + (t0 + j) * p_.ks + h * D, D, kc_.data() + j * D);
-      std::copy_n(p_.v + (t0 + j) * p_.vs + h * D, D, vc_.data() + j * D);
+    for (int64_t j = 0; j < len; ++j) {  // contiguous float32: every slab reads them all, in order, from L1
+      widen_row(p_.k + (t0 + j) * p_.ks + h * D, kc_.data() + j * D, D);
+      widen_row(p_.v + (t0 + j) * p_.vs + h * D, vc_.data() + j * D, D);
     }
     for (int64_t first = 0; first < len; first += N) slab(t0, len, h, first, std::min(N, len - first));
   }
@@ -125,8 +135,8 @@ class LaneHead {
     const int64_t D = p_.D;
     std::fill(qt_.begin(), qt_.end(), 0.0f);
     for (int64_t t = 0; t < n; ++t) {
-      const float* q = p_.q + (t0 + first + t) * p_.qs + h * D;
-      for (int64_t d = 0; d < D; ++d) qt_[d * N + t] = q[d] * p_.scale;
+      const T* q = p_.q + (t0 + first + t) * p_.qs + h * D;
+      for (int64_t d = 0; d < D; ++d) qt_[d * N + t] = to_float(q[d]) * p_.scale;
     }
     float* w = w_.data();  // [len][N]: scores, then weights
     int64_t j = 0;
@@ -142,7 +152,7 @@ class LaneHead {
     }
     const V inv_sum = L::div(L::set1(1.0f), sum);
     alignas(64) float lanes[N];
-    float* out = p_.out + (t0 + first) * p_.os + h * D;
+    T* out = p_.out + (t0 + first) * p_.os + h * D;
     for (int64_t d0 = 0; d0 < D; d0 += kDims) {
       V acc[kDims];
       const int64_t width = std::min(kDims, D - d0);
@@ -153,7 +163,7 @@ class LaneHead {
       }
       for (int64_t dd = 0; dd < width; ++dd) {
         L::store(lanes, L::mul(acc[dd], inv_sum));
-        for (int64_t t = 0; t < n; ++t) out[t * p_.os + d0 + dd] = lanes[t];
+        for (int64_t t = 0; t < n; ++t) out[t * p_.os + d0 + dd] = from_float<T>(lanes[t]);
       }
     }
   }
@@ -187,7 +197,7 @@ class LaneHead {
     std::copy_n(a, K, acc);
   }
 
-  const Packed& p_;
+  const Packed<T>& p_;
   std::vector<float> qt_;  // the slab's queries, scaled: [head_dim][N]
   std::vector<float> w_;   // [len][N]
   std::vector<float> kc_, vc_;  // the head's keys and values, contiguous: [len][head_dim]
@@ -195,16 +205,35 @@ class LaneHead {
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
-using Head = LaneHead<Lanes16>;
+template <typename T>
+using Head = LaneHead<Lanes16, T>;
 #elif defined(__AVX2__)
-using Head = LaneHead<Lanes8>;
+template <typename T>
+using Head = LaneHead<Lanes8, T>;
 #else
-using Head = ScalarHead;
+template <typename T>
+using Head = ScalarHead<T>;
 #endif
 
+// Threads take (sequence, head) items from one counter until none is left.
+template <typename T>
+void run_items(const Packed<T>& packed, const int64_t* starts, int64_t num_seqs, int64_t heads) {
+  const int64_t total = num_seqs * heads;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Head<T> kernel(packed);
+    for (int64_t w = next.fetch_add(1); w < total; w = next.fetch_add(1)) {
+      const int64_t s = w / heads;
+      kernel.run(starts[s], starts[s + 1] - starts[s], w % heads);
+    }
+  });
+}
+
 void check_packed(const at::Tensor& t, const at::Tensor& like, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), "encoder_attention: ", name,
-              " must be a float32 CPU tensor");
+  TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) &&
+                  t.scalar_type() == like.scalar_type() && t.device().is_cpu(),
+              "encoder_attention: ", name, " must be a float32 or bfloat16 CPU tensor, of query's dtype");
   TORCH_CHECK(t.dim() == 3 && t.sizes() == like.sizes(), "encoder_attention: ", name, " must be [tokens, heads, head_dim]",
               " like query");
   TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), "encoder_attention: ", name,
@@ -228,17 +257,12 @@ at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& key, con
   for (int64_t s = 0; s < num_seqs; ++s)
     TORCH_CHECK(starts[s + 1] > starts[s], "encoder_attention: sequence ", s, " is empty or out of order");
   at::Tensor out = at::empty(query.sizes(), query.options());
-  const int64_t total = num_seqs * heads;
-  const Packed packed(query, key, value, out, static_cast<float>(scale));
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Head kernel(packed);
-    for (int64_t w = next.fetch_add(1); w < total; w = next.fetch_add(1)) {
-      const int64_t s = w / heads;
-      kernel.run(starts[s], starts[s + 1] - starts[s], w % heads);
-    }
-  });
+  const float fscale = static_cast<float>(scale);
+  if (query.scalar_type() == at::kBFloat16) {
+    run_items(Packed<c10::BFloat16>(query, key, value, out, fscale), starts, num_seqs, heads);
+  } else {
+    run_items(Packed<float>(query, key, value, out, fscale), starts, num_seqs, heads);
+  }
   return out;
 }
 
