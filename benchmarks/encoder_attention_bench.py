@@ -72,6 +72,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     kernel, loop = EncoderAttention(create_backend("sdpa", 16)), EncoderAttention(create_backend("sdpa", 16))
     loop.batch_kernel = False
+    if not kernel.runs_kernel(_inputs([2])[3]):
+        raise SystemExit("the batch kernel is off here (kernels not built, or SPINDLE_DISABLE_FUSED_KERNELS=1)")
     out = sys.stdout
     out.write(f"encoder attention, {HEADS} heads of {HEAD_DIM}, {args.threads} threads, median us of {args.repeats}\n")
     out.write("| batch | kernel us | GFLOP/s | sdpa loop us | GFLOP/s | loop / kernel |\n|---|---|---|---|---|---|\n")

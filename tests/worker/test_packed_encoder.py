@@ -140,15 +140,20 @@ def test_bf16_gemm_layers_hand_qkv_over_in_bf16_with_the_same_vectors(minilm_dir
     worker = Worker(WorkerConfig(model=str(minilm_dir), num_threads=2, encoder_matmul="bfloat16"))
     requests = _requests(RequestKind.EMBED)
     attention = worker.model.layers[0].attention
-    assert worker.model.layers[0].qkv_proj.bf16_inputs and attention.accepts_bf16(torch.device("cpu"))
-    seen: list[torch.dtype] = []
+    assert worker.model.layers[0].qkv_proj.bf16_inputs and attention.batch_kernel is not False
+    seen: list[torch.dtype] = []  # what attention hands to o_proj: bf16 when qkv went in as bf16
     hook = worker.model.layers[0].o_proj.register_forward_pre_hook(lambda _m, args: seen.append(args[0].dtype))
     narrow = _pooled(worker, requests)
+    for layer in worker.model.layers:  # qkv widened to float32 whatever the layer asks: the same kernel after it
+        layer.qkv_proj.forward = partial(_widened, layer.qkv_proj)  # type: ignore[method-assign]
+    widened = _pooled(worker, requests)
     hook.remove()
-    assert seen == [torch.bfloat16]
-    for layer in worker.model.layers:  # qkv widened to float32 again, the same kernel after it
-        layer.qkv_proj.forward = partial(PrepackedLinear.forward, layer.qkv_proj)  # type: ignore[method-assign]
-    assert torch.equal(narrow, _pooled(worker, requests))
+    assert seen == [torch.bfloat16, torch.float32]
+    assert torch.equal(narrow, widened)
+
+
+def _widened(layer: PrepackedLinear, x: torch.Tensor, widen: bool = True) -> torch.Tensor:
+    return PrepackedLinear.forward(layer, x)
 
 
 @pytest.mark.usefixtures("cpu_kernels")

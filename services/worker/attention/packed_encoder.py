@@ -18,7 +18,7 @@ attempt with scalar exponentials lost to sdpa): all-MiniLM-L6-v2, 64 sentences o
 2,048-token rounds, attention 290 -> 206 ms of a 1.4 s pass with its first form (2-core AMD
 EPYC; the sdpa loop ran at ~38 GFLOP/s), and 1.4-1.9x faster again with the lanes
 (`python -m benchmarks.encoder_attention_bench`: 2.3-5x the sdpa loop). It takes float32 or
-bf16 query/key/value and computes in float32 either way (`accepts_bf16`). Else (or
+bf16 query/key/value and computes in float32 either way (`runs_kernel`). Else (or
 `SPINDLE_DISABLE_FUSED_KERNELS=1`) the sdpa loop, in the activations' dtype.
 
 The boundaries are host ints (`query_lens_host`), so the loop never waits on a device. Only
@@ -105,15 +105,18 @@ class EncoderAttention:
     def __init__(self, backend: AttentionBackend) -> None:
         self.backend = backend
         self.kernel = SEQUENCE_KERNELS.get(backend.name, _sdpa)
-        # The batch kernel: None until the first packed batch asks whether the kernels are built.
+        # The batch kernel (CPU): None until the first packed batch asks whether the kernels are built.
         self.batch_kernel: bool | None = False if backend.name in SEQUENCE_KERNELS else None
 
-    def accepts_bf16(self, device: torch.device) -> bool:
-        """Whether packed batches on `device` run the batch kernel, which also takes bf16 query, key
-        and value, computes in float32 and rounds only its output (so an encoder layer under bf16
-        GEMM inputs may hand over its qkv projection's bf16 result, bert.py)."""
+    def runs_kernel(self, metadata: Any) -> bool:
+        """Whether a batch with this metadata runs the batch kernel: packed (CPU) batches, where the
+        kernels are built. The kernel also takes bf16 query, key and value, computes in float32 and
+        rounds only its output, so an encoder layer under bf16 GEMM inputs may hand over its qkv
+        projection's bf16 result (bert.py); anywhere else that would change the arithmetic."""
+        if not isinstance(metadata, PackedEncoderMetadata):
+            return False
         if self.batch_kernel is None:
-            self.batch_kernel = fused_kernels_error(device) is None
+            self.batch_kernel = fused_kernels_error(torch.device("cpu")) is None
         return self.batch_kernel
 
     def metadata_builder(self, device: torch.device) -> AttentionMetadataBuilder:
@@ -133,7 +136,7 @@ class EncoderAttention:
             return self.backend.forward(spec, query, key, value, None, metadata)
         if spec.num_kv_heads != spec.num_heads or spec.sliding_window or spec.logit_softcap:
             raise ValueError("packed encoder attention supports plain multi-head attention only")
-        if self.accepts_bf16(query.device) and query.dtype in (torch.float32, torch.bfloat16):
+        if self.runs_kernel(metadata) and query.dtype in (torch.float32, torch.bfloat16):
             return torch.ops.spindle.encoder_attention(query, key, value, metadata.query_start_loc, spec.scale)
         out = torch.empty_like(query)
         for start, end in metadata.bounds:

@@ -91,7 +91,7 @@ class EncoderLayer(nn.Module):
         # projection's into the attention kernel (float32 inside, its output rounded as o_proj
         # would round it), the GELU output into down_proj. The same values, fewer passes.
         s = self.spec
-        narrow_qkv = self.qkv_proj.bf16_inputs and self.attention.accepts_bf16(x.device)
+        narrow_qkv = self.qkv_proj.bf16_inputs and self.attention.runs_kernel(meta)
         qkv = self.qkv_proj(x, widen=not narrow_qkv)
         q, k, v = (t.view(-1, s.num_heads, s.head_dim) for t in qkv.split(self.hidden_size, -1))
         attn = self.attention.forward(s, q, k, v, meta).reshape(-1, self.hidden_size)

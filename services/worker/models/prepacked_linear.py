@@ -20,12 +20,13 @@ dtype or device, a build whose packed result does not reproduce `F.linear` on a 
 `bf16_inputs` (an embedding model's layers on a CPU with bf16 math: `--encoder-matmul`, resolved
 in worker.py): float32 activations are rounded to bfloat16 at the GEMM's input and its output
 widened back, against a bfloat16 packed copy of the weight, with float32 accumulation; the
-residual stream, layer norms, attention and pooling stay float32. The GEMMs are ~80 % of an
+residual stream, layer norms and pooling stay float32, and attention computes in float32. The GEMMs are ~80 % of an
 encoder round, and oneDNN's bf16 GEMM runs at ~2x its fp32 one on AVX512-BF16: all-MiniLM-L6-v2,
 64-sentence rounds, in process on a 2-core AMD Zen 4, 6,700-7,689 -> 9,862-11,005 tokens/s, every vector
 within cosine 0.99997 of float32 (`--dtype bfloat16`, the residual stream in bf16 too: 12,345-13,081
-tokens/s, but only 0.99993). Between an encoder MLP's two GEMMs the GELU output stays bf16
-(`widen=False`: down_proj would round it again, so the values are the same), and each layer's bias
+tokens/s, but only 0.99993). Where the next step would round a GEMM's output again, it stays bf16
+(`widen=False`, bert.py: the GELU output into down_proj, and the qkv projection's into the
+attention kernel, whose output is rounded as o_proj would round it), and each layer's bias
 is rounded once, not every call: bit-identical vectors, the worker's round 15.00 -> 14.10 ms for
 one 116-token sentence and 352.0 -> 335.2 ms for 32 of 12-250 tokens (2-core AMD Zen 4, old and
 new called in turn in one process, 2026-11-30).
@@ -90,7 +91,8 @@ class OneDnnWeight:
     def __init__(self) -> None:
         self.packed: torch.Tensor | None = None
         self._packed_for: tuple[int, int, torch.dtype] | None = None  # (data_ptr, version, dtype) packed
-        self._bias16: tuple[tuple[int, int], torch.Tensor] | None = None  # bf16_inputs: the bias rounded, once
+        # bf16_inputs: (the bias, its storage and version, the bias rounded), rounded once.
+        self._bias16: tuple[torch.Tensor, tuple[int, int], torch.Tensor] | None = None
 
     def get(self, weight: torch.Tensor, bias: torch.Tensor | None,
             dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
@@ -125,9 +127,9 @@ class OneDnnWeight:
         if bias is None:
             return None
         key = _identity(bias)
-        if self._bias16 is None or self._bias16[0] != key:
-            self._bias16 = (key, bias.detach().to(torch.bfloat16))
-        return self._bias16[1]
+        if self._bias16 is None or self._bias16[0] is not bias or self._bias16[1] != key:
+            self._bias16 = (bias, key, bias.detach().to(torch.bfloat16))
+        return self._bias16[2]
 
 
 def _identity(t: torch.Tensor) -> tuple[int, int]:
@@ -147,7 +149,8 @@ class PrepackedLinear(nn.Linear):
         self.bf16_inputs = False
 
     def forward(self, x: torch.Tensor, widen: bool = True) -> torch.Tensor:
-        """`widen=False`: under `bf16_inputs`, the bfloat16 result for a next PrepackedLinear (else float32)."""
+        """`widen=False`: under `bf16_inputs`, the bfloat16 result as it is, for a next step that would
+        round it again (otherwise the activations' dtype, as always)."""
         return self.onednn.linear(x, self.weight, self.bias, self.gelu, self.bf16_inputs, widen)
 
 

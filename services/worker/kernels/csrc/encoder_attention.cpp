@@ -25,12 +25,13 @@
 // the AVX2 form (built without AVX-512) 1.28x on the one sentence. The worker's whole round in
 // process, all-MiniLM-L6-v2: one 116-token sentence 14.38 -> 13.36 ms, 32 sentences of 12-250
 // tokens 393.7 -> 353.8 ms. Against torch's sdpa loop, the fallback: `python -m
-// benchmarks.encoder_attention_bench`. Without AVX2, `ScalarHead` computes the same in plain
-// loops.
+// benchmarks.encoder_attention_bench`. Without AVX2, `ScalarHead` computes the same attention
+// in plain loops (reading bf16 widened as it goes, scaling the dot products rather than the
+// queries: equal within rounding, not bit for bit).
 //
 // Inputs: query, key, value [tokens, heads, head_dim], float32 or bf16 alike, with contiguous
 // heads (any token stride: views of the fused qkv projection); query_start_loc [sequences + 1]
-// int64. The output has their dtype. bf16 is widened as it is copied and the arithmetic is
+// int64. The output has their dtype. bf16 is widened as it is read and the arithmetic is
 // float32 throughout; the output is rounded (to nearest even) only as it is stored, as an
 // encoder's next GEMM on bf16 inputs (prepacked_linear.py) would round a float32 output: so a
 // layer whose qkv projection hands over its bf16 result computes the same values, without
@@ -115,7 +116,7 @@ class LaneHead {
  public:
   explicit LaneHead(const Packed<T>& p) : p_(p) {}
 
-  // Head h of the L tokens from t0.
+  // Head h of the `len` tokens from t0.
   void run(int64_t t0, int64_t len, int64_t h) {
     const int64_t D = p_.D;
     qt_.resize(D * N);
@@ -133,7 +134,7 @@ class LaneHead {
   // Queries [first, first + n) of the sequence (lanes past n hold zero queries, never written out).
   void slab(int64_t t0, int64_t len, int64_t h, int64_t first, int64_t n) {
     const int64_t D = p_.D;
-    std::fill(qt_.begin(), qt_.end(), 0.0f);
+    if (n < N) std::fill(qt_.begin(), qt_.end(), 0.0f);  // a full slab overwrites every lane
     for (int64_t t = 0; t < n; ++t) {
       const T* q = p_.q + (t0 + first + t) * p_.qs + h * D;
       for (int64_t d = 0; d < D; ++d) qt_[d * N + t] = to_float(q[d]) * p_.scale;

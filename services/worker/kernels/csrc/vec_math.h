@@ -1,6 +1,6 @@
 // Vector math shared by the kernels: a softmax's exponential on 8 lanes (the compiler leaves
-// std::exp scalar) and horizontal reductions (paged_attention.cpp, encoder_attention.cpp), and
-// narrow storage widened to fp32 (bf16 weights, 16-bit KV caches). Header-only: each kernel
+// std::exp scalar) and horizontal reductions (paged_attention.cpp, encoder_attention.cpp's
+// fallback), and narrow storage widened to fp32 (bf16 weights, 16-bit KV caches). Header-only: each kernel
 // inlines them into its loops.
 #pragma once
 
