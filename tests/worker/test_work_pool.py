@@ -61,10 +61,17 @@ def _pool_threads() -> list[str]:
     return [n for n in names if n.startswith("spindle-pool")]
 
 
-def _pool_thread_policies() -> list[int]:
-    """The scheduling policy of each of this process's pool helpers."""
-    return [os.sched_getscheduler(int(p.parent.name)) for p in Path("/proc/self/task").glob("*/comm")
-            if p.read_text().startswith("spindle-pool")]
+def _pool_thread_policies(settled: int, timeout_s: float = 5.0) -> list[int]:
+    """The scheduling policy of each of this process's pool helpers, once there is one and all have
+    `settled` (or at `timeout_s`: what they have then). A helper names itself and then sets its
+    policy on its own thread as it starts, after the call that started it may have returned."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        policies = [os.sched_getscheduler(int(p.parent.name)) for p in Path("/proc/self/task").glob("*/comm")
+                    if p.read_text().startswith("spindle-pool")]
+        if (policies and all(p == settled for p in policies)) or time.monotonic() > deadline:
+            return policies
+        time.sleep(0.01)
 
 
 def _after_openmp_spin() -> None:
@@ -91,13 +98,13 @@ def test_helpers_give_their_core_to_any_other_thread_at_once() -> None:
     with work_pool_scope():
         for _, call in _calls():
             call()
-    policies = _pool_thread_policies()
+    policies = _pool_thread_policies(os.SCHED_IDLE)
     assert policies and all(p == os.SCHED_IDLE for p in policies)
 
 
 def test_the_switch_keeps_helpers_at_the_default_policy() -> None:
     probe = """
-import time, torch
+import os, time, torch
 from services.worker.kernels.build import load_kernels
 from services.worker.models.native_stack import work_pool_scope
 from tests.worker.test_work_pool import _pool_thread_policies
@@ -107,7 +114,7 @@ x, w = torch.randn(1, 384), torch.randn(1000, 384)
 time.sleep(0.02)
 with work_pool_scope():
     torch.ops.spindle.linear_small_m(x, w, None)
-print(_pool_thread_policies())
+print(_pool_thread_policies(os.SCHED_OTHER))
 """
     env = {**os.environ, "SPINDLE_DISABLE_IDLE_HELPERS": "1"}
     result = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[2], env=env,
