@@ -1,4 +1,4 @@
-"""The decoder's fused CPU kernels against the unfused torch code they replace.
+"""The fused CPU kernels against the unfused torch code they replace.
 
 - residual add + RMSNorm (`rms_norm`, `add_rms_norm`) against `RMSNorm`'s torch path: Llama's
   and Gemma's unit-offset weights, fp32 and bf16 weights, odd widths, 1-64 rows;
@@ -7,7 +7,9 @@
 - rotary inside paged attention (`forward_rotary`) against `RotaryEmbedding` then `forward`:
   the same cache contents and outputs, bit for bit, for full and partial rotary dims;
 - the decoder with the fused path on equals it off (hidden states, greedy tokens), and
-  SPINDLE_DISABLE_FUSED_KERNELS=1 turns it off.
+  SPINDLE_DISABLE_FUSED_KERNELS=1 turns it off;
+- the encoder's residual add + LayerNorm (`add_layer_norm`) against torch's add and
+  `F.layer_norm`, with its bf16 copy, and a MiniLM worker's vectors with it on and off.
 """
 
 from __future__ import annotations
@@ -21,13 +23,18 @@ import torch.nn.functional as F
 from services.worker.attention import create_backend
 from services.worker.attention.base import AttentionType, CommonAttentionMetadata, LayerAttentionSpec
 from services.worker.attention.paged import create
+from services.worker.config import WorkerConfig
 from services.worker.kernels.build import kernel_instruction_sets
 from services.worker.kv_cache import allocate_kv_caches
+from services.worker.models.bert import EncoderModel, EncoderNorm
 from services.worker.models.decoder import RMSNorm
 from services.worker.models.fused import DISABLE_ENV, fused_kernels_error
 from services.worker.models.loader import load_model
 from services.worker.models.rope import RotaryEmbedding
 from services.worker.models.rope_scaling import RopeConfig
+from services.worker.worker import Worker
+from shared.types import RequestKind
+from tests.worker.test_packed_encoder import _pooled, _requests
 from tests.worker.test_paged_attention import ROWS, _case
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
@@ -234,3 +241,62 @@ def test_decoder_fused_path_on_bf16_activations_equals_unfused(llama_dir: Path) 
 def test_sdpa_backend_keeps_rotary_in_torch(llama_dir: Path) -> None:
     model = load_model(llama_dir, create_backend("sdpa", 16), torch.float32, torch.device("cpu"))
     assert model.layers[0].mlp.fused and not model.layers[0].self_attn.fused_rotary
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 384), (116, 384), (700, 384), (3, 37), (2, 8)])
+def test_add_layer_norm_equals_torch(rows: int, hidden: int, x_dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(rows * 10 + hidden)
+    x, residual = (torch.randn(rows, hidden, generator=gen) * 3).to(x_dtype), torch.randn(rows, hidden, generator=gen)
+    weight, bias = torch.randn(hidden, generator=gen), torch.randn(hidden, generator=gen)
+    want = F.layer_norm(x.float() + residual, (hidden,), weight, bias, 1e-12)
+    got, narrow = torch.ops.spindle.add_layer_norm(x, residual, weight, bias, 1e-12, True)
+    # the variance sums in another order than torch's Welford: last-bit differences
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert narrow.dtype == torch.bfloat16 and torch.equal(narrow, got.to(torch.bfloat16))
+    (alone,) = torch.ops.spindle.add_layer_norm(x, residual, weight, bias, 1e-12, False)
+    assert torch.equal(alone, got)
+
+
+def test_add_layer_norm_rejects_what_it_does_not_compute() -> None:
+    x, weight = torch.randn(4, 16), torch.randn(16)
+    with pytest.raises(RuntimeError, match="residual must be float32"):
+        torch.ops.spindle.add_layer_norm(x, x.bfloat16(), weight, weight, 1e-5, False)
+    with pytest.raises(RuntimeError, match="one shape"):
+        torch.ops.spindle.add_layer_norm(x, torch.randn(4, 8), weight, weight, 1e-5, False)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        torch.ops.spindle.add_layer_norm(x, x, weight.bfloat16(), weight, 1e-5, False)
+
+
+def test_encoder_norm_routes_only_a_float32_residual_through_the_kernel() -> None:
+    norm = EncoderNorm(64, eps=1e-12)
+    with torch.no_grad():
+        norm.weight.normal_(generator=torch.Generator().manual_seed(0))
+    x, residual = torch.randn(3, 64).bfloat16(), torch.randn(3, 64)
+    want = F.layer_norm(x.float() + residual, (64,), norm.weight, norm.bias, 1e-12)
+    for fused in (False, True):
+        norm.fused = fused
+        out, narrow = norm.add_forward(x, residual, True)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        assert narrow is not None and torch.equal(narrow, out.bfloat16())
+        assert norm.add_forward(x, residual, False)[1] is None
+    # --dtype bfloat16: a bf16 residual stream keeps torch's bf16 ops (the kernel would not round alike)
+    x16, r16 = x, residual.bfloat16()
+    out, _ = norm.add_forward(x16, r16, False)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, F.layer_norm(x16 + r16, (64,), norm.weight, norm.bias, 1e-12))
+
+
+@pytest.mark.parametrize("encoder_matmul", ["float32", "bfloat16"])
+def test_encoder_fused_path_keeps_the_vectors(minilm_dir: Path, encoder_matmul: str) -> None:
+    """A MiniLM worker's vectors with the fused add & norm (and, under bf16 GEMM inputs, the norms'
+    bf16 copies as the next GEMMs' inputs) against torch's ops."""
+    worker = Worker(WorkerConfig(model=str(minilm_dir), num_threads=2, encoder_matmul=encoder_matmul))
+    model = worker.model
+    assert isinstance(model, EncoderModel) and all(
+        m.fused for m in model.modules() if isinstance(m, EncoderNorm))
+    requests = _requests(RequestKind.EMBED)
+    fused = _pooled(worker, requests)
+    model.use_fused_kernels(False)
+    unfused = _pooled(worker, requests)
+    assert F.cosine_similarity(fused, unfused).min() > 0.99999

@@ -6,6 +6,14 @@ bidirectional within each sequence with no KV cache (`EncoderAttention`: per-seq
 the CPU, so no padded copy exists; the configured backend elsewhere). q/k/v are fused into one
 matmul; on the CPU the layers' GEMMs run on oneDNN-prepacked weights (`PrepackedLinear`).
 Post-norm layers and exact (erf) GELU, as HF BERT.
+
+On the CPU each residual add + LayerNorm is one kernel pass (`EncoderNorm`), which under bf16
+GEMM inputs also writes the bf16 copy the next GEMM reads, and the layer hands bf16 results
+straight on wherever the next step would round them again. Against the layer of separate torch
+ops (widen, add, norm, round): all-MiniLM-L6-v2, worker round in process, old and new in turn,
+2-core AMD EPYC Zen 4: one sentence of 3 / 32 / 116 tokens 5.18 / 5.26 / 14.57 -> 4.51 / 4.65 /
+13.59 ms (1.15 / 1.13 / 1.07x), 32 sentences of 12-250 tokens 1.02x; vectors within cosine
+0.99999 of the separate ops (the variance sums in another order).
 """
 
 from __future__ import annotations
@@ -14,12 +22,14 @@ import re
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from services.worker.attention import AttentionBackend, LayerAttentionSpec
 from services.worker.attention.packed_encoder import EncoderAttention
 from services.worker.models.base import SpindleModel, WeightTarget
 from services.worker.models.encoder_config import EncoderConfig
+from services.worker.models.fused import fused_kernels_enabled
 from services.worker.models.prepacked_linear import PrepackedLinear
 from shared.types import RequestKind
 
@@ -47,6 +57,7 @@ _HEAD = {
 }
 _LAYER = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
 _OTHER = re.compile(r"^(.+)\.(weight|bias)$")
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # GEMM outputs the add & norm kernel takes
 
 
 class EncoderEmbeddings(nn.Module):
@@ -69,6 +80,24 @@ class EncoderEmbeddings(nn.Module):
         return self.norm(x)
 
 
+class EncoderNorm(nn.LayerNorm):
+    """The LayerNorm after a residual add (post-norm). With spindle's CPU kernels (`fused`) the add,
+    the norm and the bf16 copy that the next GEMM reads under bf16 GEMM inputs are one pass
+    (`spindle::add_layer_norm`) rather than four ops: widen, add, norm, round."""
+
+    fused = False  # set by EncoderModel.use_fused_kernels
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor,
+                    narrow: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(LayerNorm(x + residual), that rounded to bf16 where `narrow`, else None); x is a GEMM's
+        output (bf16 under bf16 GEMM inputs: widened first), residual the layer's input."""
+        if self.fused and residual.dtype == torch.float32 == self.weight.dtype and x.dtype in _KERNEL_DTYPES:
+            out = torch.ops.spindle.add_layer_norm(x, residual, self.weight, self.bias, self.eps, narrow)
+            return out[0], out[1] if narrow else None
+        y = F.layer_norm(x.to(residual.dtype) + residual, self.normalized_shape, self.weight, self.bias, self.eps)
+        return y, y.to(torch.bfloat16) if narrow else None
+
+
 class EncoderLayer(nn.Module):
     """Self-attention and MLP, each followed by residual add and LayerNorm (post-norm)."""
 
@@ -78,25 +107,34 @@ class EncoderLayer(nn.Module):
         self.hidden_size = h
         self.qkv_proj = PrepackedLinear(h, 3 * h)
         self.o_proj = PrepackedLinear(h, h)
-        self.attn_norm = nn.LayerNorm(h, eps=eps)
+        self.attn_norm = EncoderNorm(h, eps=eps)
         self.up_proj = PrepackedLinear(h, config.intermediate_size, gelu=True)  # GELU fused into the GEMM
         self.down_proj = PrepackedLinear(config.intermediate_size, h)
-        self.mlp_norm = nn.LayerNorm(h, eps=eps)
+        self.mlp_norm = EncoderNorm(h, eps=eps)
         heads, d = config.num_heads, config.head_dim
         self.spec = LayerAttentionSpec(heads, heads, d, d**-0.5)
         self.attention = attention
 
-    def forward(self, x: torch.Tensor, meta: Any) -> torch.Tensor:
-        # Under bf16 GEMM inputs, results that the next step would round again stay bf16: the qkv
-        # projection's into the attention kernel (float32 inside, its output rounded as o_proj
-        # would round it), the GELU output into down_proj. The same values, fewer passes.
+    def forward(self, x: torch.Tensor, x16: torch.Tensor | None,
+                meta: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the layer's output, and under bf16 GEMM inputs that output rounded to bf16, else None);
+        `x16` is the input so rounded, where the layer before made it.
+
+        Under bf16 GEMM inputs, results that the next step would round again stay bf16: the qkv
+        projection's into the attention kernel (float32 inside, its output rounded as o_proj
+        would round it), the projections' outputs into the add & norm (widened there), the GELU
+        output into down_proj, and each norm's bf16 copy into the next GEMM. The same values,
+        fewer passes.
+        """
         s = self.spec
-        narrow_qkv = self.qkv_proj.bf16_inputs and self.attention.runs_kernel(meta)
-        qkv = self.qkv_proj(x, widen=not narrow_qkv)
-        q, k, v = (t.view(-1, s.num_heads, s.head_dim) for t in qkv.split(self.hidden_size, -1))
+        narrow = self.qkv_proj.bf16_inputs
+        narrow_qkv = narrow and self.attention.runs_kernel(meta)
+        qkv = self.qkv_proj(x if x16 is None else x16, widen=not narrow_qkv)
+        q, k, v = qkv.view(-1, 3, s.num_heads, s.head_dim).unbind(1)
         attn = self.attention.forward(s, q, k, v, meta).reshape(-1, self.hidden_size)
-        x = self.attn_norm(self.o_proj(attn) + x)
-        return self.mlp_norm(self.down_proj(self.up_proj(x, widen=False)) + x)
+        x, x16 = self.attn_norm.add_forward(self.o_proj(attn, widen=False), x, narrow)
+        up = self.up_proj(x if x16 is None else x16, widen=False)
+        return self.mlp_norm.add_forward(self.down_proj(up, widen=False), x, narrow)
 
 
 class ClassificationHead(nn.Module):
@@ -131,6 +169,15 @@ class EncoderModel(SpindleModel):
     def pooled_size(self) -> int:
         return self.config.hidden_size
 
+    def post_init(self) -> None:
+        self.use_fused_kernels(fused_kernels_enabled(self.embeddings.word_embeddings.weight.device))
+
+    def use_fused_kernels(self, enabled: bool) -> None:
+        """Route the layers' residual add + LayerNorm through spindle's kernel (CPU, float32 residual)."""
+        for module in self.modules():
+            if isinstance(module, EncoderNorm):
+                module.fused = enabled
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
@@ -139,9 +186,9 @@ class EncoderModel(SpindleModel):
         meta: Any,
     ) -> torch.Tensor:
         """Final hidden states [num_tokens, hidden_size]."""
-        x = self.embeddings(input_ids, positions, token_type_ids)
+        x, x16 = self.embeddings(input_ids, positions, token_type_ids), None
         for layer in self.layers:
-            x = layer(x, meta)
+            x, x16 = layer(x, x16, meta)
         return x
 
     def head(self, pooled: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,9 @@ is their cost at decode sizes:
 - the rotary embedding inside the paged attention kernel (`forward_rotary`), applied to the
   queries as it loads them and to the keys as it writes them to the KV cache.
 
-The sampler's argmax kernel (kernels/csrc/argmax.cpp) follows the same switch.
+The sampler's argmax kernel (kernels/csrc/argmax.cpp) follows the same switch, and so do the
+encoders (bert.py): their post-norm residual add + LayerNorm (`add_layer_norm`, which also writes
+the bf16 copy the next GEMM reads under bf16 GEMM inputs) and their attention kernel.
 
 Measured side by side (`python -m benchmarks.fused_ops_bench`, medium model shapes: hidden 1024,
 intermediate 2816, 16 / 4 heads of 64, 192-token contexts, 2-core AMD EPYC Zen 1, shared with
@@ -70,5 +72,5 @@ def fused_kernels_enabled(device: torch.device) -> bool:
     """Whether a model on `device` should use the fused kernels; logs why not where it should not."""
     error = fused_kernels_error(device)
     if error is not None and device.type == "cpu":
-        logger.info("decoder keeps torch's unfused norm / activation / rotary ops: %s", error)
+        logger.info("the model keeps torch's unfused norm / activation / rotary ops: %s", error)
     return error is None

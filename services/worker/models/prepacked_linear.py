@@ -112,15 +112,18 @@ class OneDnnWeight:
         runs the bfloat16 GEMM (x, weight and bias rounded, float32 accumulation) and gets float32
         back, or the bfloat16 result as it is where not `widen` (for a next GEMM that would round
         it again: the same values, two copies fewer)."""
-        if bf16_inputs and x.dtype in PACKABLE_DTYPES:
-            half = self.linear(x.to(torch.bfloat16), weight, self._rounded_bias(bias), gelu)
-            return half.float() if widen else half
+        narrow = bf16_inputs and x.dtype in PACKABLE_DTYPES
+        if narrow:
+            x, bias = x.to(torch.bfloat16), self._rounded_bias(bias)
         packed = self.get(weight, bias, x.dtype) if x.device.type == "cpu" else None
         if packed is None:
             y = F.linear(x, weight.to(x.dtype), bias)  # the cast is a no-op unless the weight is stored narrower
-            return F.gelu(y) if gelu else y
-        rows = x.reshape(-1, x.shape[-1])
-        return _packed_linear(rows, packed, bias, gelu).view(*x.shape[:-1], weight.shape[0])
+            y = F.gelu(y) if gelu else y
+        elif x.dim() == 2:
+            y = _packed_linear(x, packed, bias, gelu)
+        else:
+            y = _packed_linear(x.reshape(-1, x.shape[-1]), packed, bias, gelu).view(*x.shape[:-1], weight.shape[0])
+        return y.float() if narrow and widen else y
 
     def _rounded_bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
         """`bias` in bfloat16, rounded once (again only when it changes), not at every call."""

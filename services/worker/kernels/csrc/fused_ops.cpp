@@ -1,5 +1,6 @@
 // The decoder step's elementwise work on the CPU in single passes: residual add + RMSNorm, and
-// act(gate) * up over the fused gate_up output (SiLU, or Gemma's tanh GELU). Also the rotary
+// act(gate) * up over the fused gate_up output (SiLU, or Gemma's tanh GELU); and the encoder
+// layer's residual add + LayerNorm, with the bf16 copy its next GEMM reads. Also the rotary
 // helper that the paged attention kernel applies at its KV write (fused_ops.h).
 //
 // Why: in torch each of these is a chain of separate ops (an RMSNorm is pow, mean, add, rsqrt,
@@ -288,6 +289,53 @@ void run_act_and_mul(const at::Tensor& gate_up, at::Tensor& out, int64_t activat
   for_rows(rows, n, [&](int64_t r) { act_mul_row_of(in + r * 2 * n, in + r * 2 * n + n, op + r * n, n, activation); });
 }
 
+
+// --- the encoder's residual add and LayerNorm --------------------------------------------
+
+// One row of out = LayerNorm(x + residual): BertLayer's post-norm, as torch computes it in
+// float32 (mean and biased variance of the sum, then (s * rstd - mean * rstd) * w + b; the
+// variance is summed in two passes where torch uses Welford's, so the last bit may differ).
+// x is a GEMM's output (float32, or bf16 widened); `narrow` (or null) also gets out rounded to
+// bf16, the next GEMM's input under bf16 GEMM inputs.
+template <typename T>
+void add_layer_norm_row(const T* x, const float* residual, const float* w, const float* b, float* out,
+                        c10::BFloat16* narrow, int64_t n, float eps) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = to_float(x[i]) + residual[i];
+    sum += out[i];
+  }
+  const float mean = sum / static_cast<float>(n);
+  float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < n; ++i) squares += (out[i] - mean) * (out[i] - mean);
+  const float rstd = 1.0f / std::sqrt(squares / static_cast<float>(n) + eps);
+  const float shift = -mean * rstd;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = (out[i] * rstd + shift) * w[i] + b[i];
+  if (narrow != nullptr) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) narrow[i] = from_float<c10::BFloat16>(out[i]);
+  }
+}
+
+template <typename T>
+void run_add_layer_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                        const at::Tensor& bias, at::Tensor& out, at::Tensor* narrow, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const float* rp = residual.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  const float* b = bias.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  c10::BFloat16* np = narrow != nullptr ? narrow->data_ptr<c10::BFloat16>() : nullptr;
+  const float e = static_cast<float>(eps);
+  for_rows(rows, n, [&](int64_t r) {
+    add_layer_norm_row(xp + r * n, rp + r * n, w, b, op + r * n, np != nullptr ? np + r * n : nullptr, n, e);
+  });
+}
+
 }  // namespace
 
 // h = RMSNorm(x) for x [..., hidden] float32 or bfloat16.
@@ -326,16 +374,44 @@ at::Tensor act_and_mul(const at::Tensor& gate_up_in, int64_t activation) {
   return out.view(shape);
 }
 
+
+// [LayerNorm(residual + x)] or, where `narrow`, [that, that rounded to bf16]: a post-norm encoder
+// layer's residual add and norm in one pass; x [..., hidden] float32 or bf16 (a GEMM's output),
+// residual, weight and bias float32.
+std::vector<at::Tensor> add_layer_norm(const at::Tensor& x_in, const at::Tensor& residual_in, const at::Tensor& weight,
+                                       const at::Tensor& bias, double eps, bool narrow) {
+  TORCH_CHECK(x_in.sizes() == residual_in.sizes(), "add_layer_norm: x and residual must have one shape");
+  TORCH_CHECK(residual_in.scalar_type() == at::kFloat, "add_layer_norm: residual must be float32");
+  const at::Tensor x = rows_of(x_in, "add_layer_norm"), residual = rows_of(residual_in, "add_layer_norm");
+  for (const at::Tensor* t : {&weight, &bias}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) == x.size(1) && t->is_contiguous(),
+                "add_layer_norm: weight and bias must be contiguous float32 [hidden] tensors");
+  }
+  at::Tensor out = at::empty(x.sizes(), residual.options());
+  std::vector<at::Tensor> outs;
+  at::Tensor low = narrow ? at::empty(x.sizes(), residual.options().dtype(at::kBFloat16)) : at::Tensor();
+  if (x.scalar_type() == at::kFloat) {
+    run_add_layer_norm<float>(x, residual, weight, bias, out, narrow ? &low : nullptr, eps);
+  } else {
+    run_add_layer_norm<c10::BFloat16>(x, residual, weight, bias, out, narrow ? &low : nullptr, eps);
+  }
+  outs.push_back(out.view(x_in.sizes()));
+  if (narrow) outs.push_back(low.view(x_in.sizes()));
+  return outs;
+}
+
 }  // namespace spindle
 
 TORCH_LIBRARY_FRAGMENT(spindle, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, bool unit_offset) -> (Tensor, Tensor)");
   m.def("act_and_mul(Tensor gate_up, int activation) -> Tensor");
+  m.def("add_layer_norm(Tensor x, Tensor residual, Tensor weight, Tensor bias, float eps, bool narrow) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(spindle, CPU, m) {
   m.impl("rms_norm", &spindle::rms_norm);
   m.impl("add_rms_norm", &spindle::add_rms_norm);
   m.impl("act_and_mul", &spindle::act_and_mul);
+  m.impl("add_layer_norm", &spindle::add_layer_norm);
 }
