@@ -8,7 +8,7 @@ import torch
 
 from services.worker.attention.padded import PaddedMetadataBuilder
 from services.worker.attention.paged import PagedMetadataBuilder
-from services.worker.input_builder import ModelInputBuilder
+from services.worker.input_builder import ModelInputBuilder, TransferPack
 from services.worker.request_states import RequestStates
 from shared.errors import InvalidArgumentError
 from shared.execute import CachedRequestData, ExecuteRound, NewRequestData
@@ -195,3 +195,14 @@ def test_step_zero_is_built_when_the_round_does_not_carry_on() -> None:
     assert builder.resume(last, sampled, rows[:1], num_scheduled[:1]) is None  # a row left
     assert builder.resume(last, sampled, rows, np.array([2, 1])) is None  # not one token each
     assert builder.resume(last, sampled, rows, num_scheduled) is not None
+
+
+def test_cpu_transfer_copies_each_array_as_int64_or_float32() -> None:
+    ids, table = np.arange(5, dtype=np.int32), np.arange(6).reshape(2, 3)
+    flags, temps = np.array([True, False]), np.array([0.5, 1.25], dtype=np.float64)
+    got = TransferPack(torch.device("cpu")).transfer([ids, table, flags, temps])
+    assert [t.dtype for t in got] == [torch.int64, torch.int64, torch.int64, torch.float32]
+    assert [tuple(t.shape) for t in got] == [(5,), (2, 3), (2,), (2,)]
+    assert got[1].tolist() == table.tolist() and got[2].tolist() == [1, 0] and got[3].tolist() == [0.5, 1.25]
+    table[0, 0] = 99  # a host buffer written after the transfer: the tensor keeps what it was given
+    assert got[1][0, 0] == 0
