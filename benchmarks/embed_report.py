@@ -2,7 +2,8 @@
 
 Pure arithmetic over measured figures (no I/O, no models): sentences/s and tokens/s divide what
 succeeded by the wall time, and each row's ratio is its sentences/s over the sentence-transformers
-row's from the same run (DESIGN.md: compare only figures measured side by side).
+rows' mean from the same run (DESIGN.md: compare only figures measured side by side; the run times
+sentence-transformers first and again last, because the shared host's speed drifts over minutes).
 """
 
 from __future__ import annotations
@@ -77,9 +78,16 @@ def row_from_load(config: str, concurrency: int, sentences_per_request: int, bat
                     s.num_failed, s.errors, min_cosine)
 
 
+def st_reference(rows: Sequence[EmbedRow]) -> float:
+    """sentence-transformers' sentences/s in this run: the mean of its rows (0 without one)."""
+    speeds = [r.sentences_per_s for r in rows if r.config == ST and r.error is None]
+    return sum(speeds) / len(speeds) if speeds else 0.0
+
+
 def ratio_to_st(row: EmbedRow, rows: Sequence[EmbedRow]) -> float | None:
-    """row's sentences/s over sentence-transformers' in the same run; None for that row or without it."""
-    reference = next((r.sentences_per_s for r in rows if r.config == ST and r.error is None), 0.0)
+    """row's sentences/s over sentence-transformers' (`st_reference`) in the same run; None for its
+    own rows or without one."""
+    reference = st_reference(rows)
     if row.config == ST or row.error is not None or reference <= 0:
         return None
     return row.sentences_per_s / reference

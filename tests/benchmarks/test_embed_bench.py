@@ -145,6 +145,8 @@ def test_rows_ratio_and_table() -> None:
     assert ratio_to_st(rows[1], rows) == pytest.approx(0.5)
     assert ratio_to_st(rows[0], rows) is None and ratio_to_st(rows[2], rows) is None
     assert ratio_to_st(rows[1], rows[1:]) is None  # no sentence-transformers row
+    again = [*rows, EmbedRow(ST, 32, 32, 100, 100, 1.0, 10_000)]  # timed again at 100 sentences/s
+    assert ratio_to_st(rows[1], again) == pytest.approx(25.0 / 75.0)  # to the mean of the two
     table = format_table(rows)
     assert "| spindle | 8 | 1 | 25.0 | 2,500 |  |  | 0.50 | 0.99999 |  |" in table
     assert "FAILED: AssertionError: exited" in table
@@ -163,11 +165,13 @@ def test_worker_busy_section_shows_phase_shares_and_idle() -> None:
     assert "step phase" not in format_table(rows[:1])  # nothing measured, no section
 
 
-def test_plan_puts_sentence_transformers_first() -> None:
+def test_plan_times_sentence_transformers_first_and_last() -> None:
     settings = EmbedSettings(model_dir="m", concurrencies=(1, 32), batch_size=16, batch_concurrencies=(2,),
                              configs=(SPINDLE_BATCHED, SPINDLE, ST))
     jobs = plan(settings)
     assert [(j.config, j.concurrency, j.sentences_per_request) for j in jobs] == [
-        (ST, 16, 16), (SPINDLE, 1, 1), (SPINDLE, 32, 1), (SPINDLE_BATCHED, 2, 16)]
+        (ST, 16, 16), (SPINDLE, 1, 1), (SPINDLE, 32, 1), (SPINDLE_BATCHED, 2, 16), (ST, 16, 16)]
+    alone = plan(EmbedSettings(model_dir="m", configs=(ST,)))
+    assert [j.config for j in alone] == [ST]  # timed again only where spindle ran between
     with pytest.raises(ValueError, match="configs"):
         EmbedSettings(model_dir="m", configs=("infinity",))
