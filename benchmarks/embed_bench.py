@@ -10,7 +10,7 @@ and each spindle vector's cosine with sentence-transformers' is reported as a co
 Prints a table with the ratio of each row's sentences/s to sentence-transformers' and writes
 JSON to benchmarks/results/. Compare ratios within one run only. sentence-transformers is timed
 first (its vectors are the reference) and again last, and the ratios are to the mean of the two:
-on the shared 2-core host its speed moved 39.5-46.4 sentences/s between four runs of one hour.
+on the shared 2-core host its speed moved 39.5-47.6 sentences/s across runs within half an hour.
 
     python -m benchmarks.embed_bench                      # the full run (minutes)
     python -m benchmarks.embed_bench --num-sentences 40 --concurrency 1,8 --batch-concurrency 1
@@ -167,7 +167,8 @@ def _num_warmup(job: Job) -> int:
 def _run_st(job: Job, ctx: EmbedContext) -> EmbedRow:
     """One `encode` call over every sentence, after an untimed warmup call on other sentences. The
     first run's vectors are the reference; a later run (the model loaded again) is timed only."""
-    model = ctx.st_model or _load_st(ctx.settings)
+    model = ctx.st_model if ctx.st_model is not None else _load_st(ctx.settings)
+    ctx.st_model = None  # the weights go once this run is over (before servers start), even if it fails
     model.encode(ctx.warmup_sentences[:2 * job.sentences_per_request], batch_size=job.sentences_per_request)
     start = time.perf_counter()
     vectors = model.encode(ctx.sentences, batch_size=job.sentences_per_request, show_progress_bar=True,
@@ -175,7 +176,7 @@ def _run_st(job: Job, ctx: EmbedContext) -> EmbedRow:
     duration = time.perf_counter() - start
     if ctx.reference is None:
         ctx.reference = vectors
-    ctx.st_model = model = None  # free the weights before servers start
+    del model
     gc.collect()
     return EmbedRow(ST, job.concurrency, job.sentences_per_request, len(ctx.sentences), len(ctx.sentences),
                     duration, sum(ctx.token_counts))

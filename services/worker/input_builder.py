@@ -18,8 +18,8 @@ from services.worker.request_states import RequestStates
 
 
 class TransferPack:
-    """Concatenates host arrays so they reach the device in one (pinned, async) copy (CUDA; on
-    the CPU each array is simply copied into a tensor of its own).
+    """Concatenates host arrays so they reach the device in one (pinned, async) copy (CUDA; for
+    CPU tensors each array is simply copied into a tensor of its own).
 
     Integer arrays arrive as int64; float arrays as float32 (carried bit-exact in the int64
     buffer as their float32 bit patterns).
@@ -33,10 +33,11 @@ class TransferPack:
     def transfer(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """Device tensors with the arrays' shapes, in order."""
         if self.device.type != "cuda":
-            # Nothing to batch on the host: each array becomes its own tensor, copied (so later
-            # writes to a host buffer cannot reach it). Concatenating and slicing, as for a device
-            # copy, took 0.18 ms a pooling round's 7 small arrays (2-core AMD EPYC).
-            return [torch.from_numpy(np.array(a, dtype=np.float32 if a.dtype.kind == "f" else np.int64))
+            # No device copy to batch: each array becomes its own contiguous tensor, copied (so
+            # later writes to a host buffer cannot reach it). Concatenating and slicing as for a
+            # device copy took 26 against 7 us for a pooling round's 7 small arrays in isolation,
+            # and 0.18 ms in a served embedding worker (2-core AMD EPYC).
+            return [torch.from_numpy(np.array(a, dtype=np.float32 if a.dtype.kind == "f" else np.int64, order="C"))
                     for a in arrays]
         is_float = [a.dtype.kind == "f" for a in arrays]
         arrays = [

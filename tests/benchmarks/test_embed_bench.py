@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from benchmarks.embed_bench import SPINDLE, SPINDLE_BATCHED, EmbedSettings, plan
+from benchmarks import embed_bench
+from benchmarks.embed_bench import SPINDLE, SPINDLE_BATCHED, EmbedContext, EmbedSettings, Job, plan
 from benchmarks.embed_client import EmbeddingSender, cosine_rows, make_batches
 from benchmarks.embed_report import ST, EmbedRow, format_table, ratio_to_st, row_from_load, rows_to_json
 from benchmarks.load_client import LoadConfig, run_load
@@ -175,3 +176,26 @@ def test_plan_times_sentence_transformers_first_and_last() -> None:
     assert [j.config for j in alone] == [ST]  # timed again only where spindle ran between
     with pytest.raises(ValueError, match="configs"):
         EmbedSettings(model_dir="m", configs=("infinity",))
+
+
+class _FakeST:
+    """encode() returns a constant per instance: which load's vectors became the reference."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def encode(self, sentences: list[str], **_: object) -> np.ndarray:
+        return np.full((len(sentences), DIM), self.value, dtype=np.float32)
+
+
+def test_later_sentence_transformers_runs_are_timed_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    loads = iter([_FakeST(2.0), _FakeST(3.0)])
+    monkeypatch.setattr(embed_bench, "_load_st", lambda _settings: next(loads))
+    ctx = EmbedContext(EmbedSettings(model_dir="m"), "stem", ["a", "b"], [3, 4], ["w"] * 4, [2] * 4, 256,
+                       st_model=_FakeST(1.0))
+    job = Job(ST, 2, 2)
+    first = embed_bench._run_st(job, ctx)
+    assert ctx.st_model is None and ctx.reference is not None and ctx.reference[0, 0] == 1.0
+    second = embed_bench._run_st(job, ctx)  # the model loaded again, its vectors not kept
+    assert ctx.st_model is None and ctx.reference[0, 0] == 1.0 and next(loads).value == 3.0
+    assert first.num_embedded == second.num_embedded == 2 and second.total_tokens == 7

@@ -258,6 +258,19 @@ def test_add_layer_norm_equals_torch(rows: int, hidden: int, x_dtype: torch.dtyp
     assert torch.equal(alone, got)
 
 
+def test_add_layer_norm_takes_strided_and_batched_inputs() -> None:
+    gen = torch.Generator().manual_seed(7)
+    x, residual = torch.randn(3, 5, 24, generator=gen), torch.randn(3, 5, 24, generator=gen)
+    weight, bias = torch.randn(24, generator=gen), torch.randn(24, generator=gen)
+    want = F.layer_norm(x + residual, (24,), weight, bias, 1e-5)
+    out, narrow = torch.ops.spindle.add_layer_norm(x, residual, weight, bias, 1e-5, True)
+    assert out.shape == narrow.shape == x.shape
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    strided = x.transpose(0, 1).contiguous().transpose(0, 1)  # the same values, another layout
+    assert not strided.is_contiguous()
+    assert torch.equal(torch.ops.spindle.add_layer_norm(strided, residual, weight, bias, 1e-5, False)[0], out)
+
+
 def test_add_layer_norm_rejects_what_it_does_not_compute() -> None:
     x, weight = torch.randn(4, 16), torch.randn(16)
     with pytest.raises(RuntimeError, match="residual must be float32"):
@@ -274,12 +287,14 @@ def test_encoder_norm_routes_only_a_float32_residual_through_the_kernel() -> Non
         norm.weight.normal_(generator=torch.Generator().manual_seed(0))
     x, residual = torch.randn(3, 64).bfloat16(), torch.randn(3, 64)
     want = F.layer_norm(x.float() + residual, (64,), norm.weight, norm.bias, 1e-12)
-    for fused in (False, True):
+    kernel = torch.ops.spindle.add_layer_norm(x, residual, norm.weight, norm.bias, 1e-12, False)[0]
+    for fused, exact in ((False, want), (True, kernel)):
         norm.fused = fused
         out, narrow = norm.add_forward(x, residual, True)
-        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(out, exact)  # the kernel's result where fused, torch's otherwise
         assert narrow is not None and torch.equal(narrow, out.bfloat16())
         assert norm.add_forward(x, residual, False)[1] is None
+    torch.testing.assert_close(kernel, want, rtol=1e-5, atol=1e-5)
     # --dtype bfloat16: a bf16 residual stream keeps torch's bf16 ops (the kernel would not round alike)
     x16, r16 = x, residual.bfloat16()
     out, _ = norm.add_forward(x16, r16, False)
@@ -288,15 +303,26 @@ def test_encoder_norm_routes_only_a_float32_residual_through_the_kernel() -> Non
 
 
 @pytest.mark.parametrize("encoder_matmul", ["float32", "bfloat16"])
-def test_encoder_fused_path_keeps_the_vectors(minilm_dir: Path, encoder_matmul: str) -> None:
+def test_encoder_fused_path_keeps_the_vectors(minilm_dir: Path, encoder_matmul: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A MiniLM worker's vectors with the fused add & norm (and, under bf16 GEMM inputs, the norms'
     bf16 copies as the next GEMMs' inputs) against torch's ops."""
     worker = Worker(WorkerConfig(model=str(minilm_dir), num_threads=2, encoder_matmul=encoder_matmul))
     model = worker.model
     assert isinstance(model, EncoderModel) and all(
         m.fused for m in model.modules() if isinstance(m, EncoderNorm))
+    calls: list[bool] = []  # the narrow flag of each kernel call
+    kernel = torch.ops.spindle.add_layer_norm
+
+    def counted(*args: object) -> list[torch.Tensor]:
+        calls.append(bool(args[-1]))
+        return kernel(*args)
+
+    monkeypatch.setattr(torch.ops.spindle, "add_layer_norm", counted)
     requests = _requests(RequestKind.EMBED)
     fused = _pooled(worker, requests)
+    assert calls == [encoder_matmul == "bfloat16"] * (2 * len(model.layers))  # both norms of every layer
     model.use_fused_kernels(False)
     unfused = _pooled(worker, requests)
+    assert len(calls) == 2 * len(model.layers)  # torch's ops now
     assert F.cosine_similarity(fused, unfused).min() > 0.99999

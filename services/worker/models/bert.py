@@ -7,13 +7,13 @@ the CPU, so no padded copy exists; the configured backend elsewhere). q/k/v are 
 matmul; on the CPU the layers' GEMMs run on oneDNN-prepacked weights (`PrepackedLinear`).
 Post-norm layers and exact (erf) GELU, as HF BERT.
 
-On the CPU each residual add + LayerNorm is one kernel pass (`EncoderNorm`), which under bf16
-GEMM inputs also writes the bf16 copy the next GEMM reads, and the layer hands bf16 results
-straight on wherever the next step would round them again. Against the layer of separate torch
-ops (widen, add, norm, round): all-MiniLM-L6-v2, worker round in process, old and new in turn,
-2-core AMD EPYC Zen 4: one sentence of 3 / 32 / 116 tokens 5.18 / 5.26 / 14.57 -> 4.51 / 4.65 /
-13.59 ms (1.15 / 1.13 / 1.07x), 32 sentences of 12-250 tokens 1.02x; vectors within cosine
-0.99999 of the separate ops (the variance sums in another order).
+On the CPU each residual add + LayerNorm of a float32 residual stream is one kernel pass
+(`EncoderNorm`), which under bf16 GEMM inputs also writes the bf16 copy the next GEMM reads, and
+the layer hands bf16 results straight on wherever the next step would round them again. Against
+the layer of separate torch ops (widen, add, norm, round): all-MiniLM-L6-v2, worker round in
+process, old and new in turn, 2-core AMD EPYC Zen 4: one sentence of 3 / 32 / 116 tokens 5.18 /
+5.26 / 14.57 -> 4.51 / 4.65 / 13.59 ms (1.15 / 1.13 / 1.07x), 32 sentences of 12-250 tokens
+1.02x; vectors within cosine 0.99999 of the separate ops (the variance sums in another order).
 """
 
 from __future__ import annotations

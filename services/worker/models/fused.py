@@ -10,8 +10,9 @@ is their cost at decode sizes:
   queries as it loads them and to the keys as it writes them to the KV cache.
 
 The sampler's argmax kernel (kernels/csrc/argmax.cpp) follows the same switch, and so do the
-encoders (bert.py): their post-norm residual add + LayerNorm (`add_layer_norm`, which also writes
-the bf16 copy the next GEMM reads under bf16 GEMM inputs) and their attention kernel.
+encoders (bert.py): their attention kernel, and their post-norm residual add + LayerNorm
+(`add_layer_norm`, which also writes the bf16 copy the next GEMM reads under bf16 GEMM inputs)
+where the residual stream is float32 (a `--dtype bfloat16` encoder keeps torch's ops for it).
 
 Measured side by side (`python -m benchmarks.fused_ops_bench`, medium model shapes: hidden 1024,
 intermediate 2816, 16 / 4 heads of 64, 192-token contexts, 2-core AMD EPYC Zen 1, shared with
@@ -34,7 +35,7 @@ End to end, off vs on in one run (`python -m benchmarks.run --models medium --co
 output tokens/s: 25.5 -> 29.7 at 1 stream (ITL p50 32.7 -> 27.7 ms), 80.6 -> 89.2 at 16
 (94.5 -> 82.4 ms), 93.3 -> 97.9 at 64 (259 -> 246 ms): +16 %, +11 %, +5 %.
 
-They run for float32 activations on the CPU (weights may be bf16: activations stay float32)
+The decoder's run for float32 activations on the CPU (weights may be bf16: activations stay float32)
 and for bfloat16 ones (`--dtype bfloat16`: widened, computed in fp32 and rounded to bf16 at
 each point where torch's separate bf16 ops round), wherever the kernels build and load;
 `SPINDLE_DISABLE_FUSED_KERNELS=1` keeps torch's ops for side-by-side benchmarks. RoPE and SiLU
@@ -72,5 +73,5 @@ def fused_kernels_enabled(device: torch.device) -> bool:
     """Whether a model on `device` should use the fused kernels; logs why not where it should not."""
     error = fused_kernels_error(device)
     if error is not None and device.type == "cpu":
-        logger.info("the model keeps torch's unfused norm / activation / rotary ops: %s", error)
+        logger.info("the model keeps torch's unfused ops (norms, activations, rotary, attention): %s", error)
     return error is None

@@ -26,7 +26,8 @@ encoder round, and oneDNN's bf16 GEMM runs at ~2x its fp32 one on AVX512-BF16: a
 within cosine 0.99997 of float32 (`--dtype bfloat16`, the residual stream in bf16 too: 12,345-13,081
 tokens/s, but only 0.99993). Where the next step would round a GEMM's output again, it stays bf16
 (`widen=False`, bert.py: the GELU output into down_proj, and the qkv projection's into the
-attention kernel, whose output is rounded as o_proj would round it), and each layer's bias
+attention kernel, whose output is rounded as o_proj would round it; o_proj's and down_proj's
+outputs are widened inside the residual add & LayerNorm kernel instead), and each layer's bias
 is rounded once, not every call: bit-identical vectors, the worker's round 15.00 -> 14.10 ms for
 one 116-token sentence and 352.0 -> 335.2 ms for 32 of 12-250 tokens (2-core AMD Zen 4, old and
 new called in turn in one process, 2026-11-30).
@@ -110,8 +111,8 @@ class OneDnnWeight:
         """F.linear(x, weight, bias) (then exact GELU where `gelu`), through oneDNN where the weight
         packs and x is CPU float32 or bfloat16; `bf16_inputs`: x (float32, or bfloat16 already)
         runs the bfloat16 GEMM (x, weight and bias rounded, float32 accumulation) and gets float32
-        back, or the bfloat16 result as it is where not `widen` (for a next GEMM that would round
-        it again: the same values, two copies fewer)."""
+        back, or the bfloat16 result as it is where not `widen` (for a next step that would round it
+        again, or that widens it itself: the same values, two copies fewer)."""
         narrow = bf16_inputs and x.dtype in PACKABLE_DTYPES
         if narrow:
             x, bias = x.to(torch.bfloat16), self._rounded_bias(bias)
@@ -153,7 +154,7 @@ class PrepackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor, widen: bool = True) -> torch.Tensor:
         """`widen=False`: under `bf16_inputs`, the bfloat16 result as it is, for a next step that would
-        round it again (otherwise the activations' dtype, as always)."""
+        round it again or widens it itself (otherwise the activations' dtype, as always)."""
         return self.onednn.linear(x, self.weight, self.bias, self.gelu, self.bf16_inputs, widen)
 
 

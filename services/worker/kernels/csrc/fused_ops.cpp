@@ -6,7 +6,7 @@
 // Why: in torch each of these is a chain of separate ops (an RMSNorm is pow, mean, add, rsqrt,
 // mul, mul; rotary is two index lookups and ~10 ops), each a dispatch of several microseconds
 // and a pass over memory. At decode sizes (1-64 rows) that overhead, not arithmetic, is their
-// cost. Which of them the decoder uses was chosen by measurement (models/fused_ops.py).
+// cost. Which of them the decoder uses was chosen by measurement (models/fused.py).
 //
 // Activations may be float32 or bfloat16 (a --dtype bfloat16 model): bf16 values are widened,
 // computed in fp32 and rounded to bf16 wherever torch's separate bf16 ops round (`rounded`).
