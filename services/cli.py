@@ -8,6 +8,7 @@ Kubernetes) and one started by `spindle serve` parse the same flags.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import logging
 import os
@@ -19,7 +20,7 @@ import uvloop
 
 from services.cpu_affinity import POLICIES, format_cores, pin_process
 from services.serve_flags import FRONTEND, SCHEDULER, WORKER, add_serve_flags, service_args, shutdown_grace_s
-from shared.logs import LOG_FORMATS, setup_logging
+from shared.logs import LOG_FORMATS, STACK_DUMP_SIGNAL, setup_logging
 from shared.service_flags import add_api_key_arguments, add_public_tls_arguments, public_tls_from_args
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,9 @@ def run_service(name: str, module: ServiceModule, argv: Sequence[str] | None = N
         module.add_arguments(parser)
     args = parser.parse_args(argv)
     setup_logging(name, fmt=args.log_format)
+    # SIGUSR1 writes every thread's Python stack to stderr: the launcher sends it to a service that
+    # does not stop in time, before killing it, so the log says where it hung.
+    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
     if getattr(args, "cpu_cores", ()):
         pin_process(args.cpu_cores)
         logger.info("pinned to cores %s", format_cores(args.cpu_cores))

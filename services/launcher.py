@@ -12,6 +12,7 @@ imports torch or the services' code.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 
 from services.cpu_affinity import CorePlan, format_cores, plan_cores, worker_env
 from shared.api_keys import ApiKeys
+from shared.logs import STACK_DUMP_SIGNAL
 from shared.ports import distinct_free_ports
 from shared.tls import TlsFiles
 
@@ -32,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 # What a child gets beyond its drain time to exit after SIGTERM (closing streams, flushing).
 STOP_MARGIN_S = 10.0
+STACK_DUMP_WAIT_S = 1.0  # for a child that did not stop to write its threads' stacks before it is killed
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +244,11 @@ class Launcher:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in %.0f s; killing it", name, grace_s)
+                logger.warning("%s did not stop in %.0f s; its threads' stacks follow, then it is killed",
+                               name, grace_s)
+                proc.send_signal(STACK_DUMP_SIGNAL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=STACK_DUMP_WAIT_S)  # time to write the stacks (it may exit meanwhile)
                 proc.kill()
                 proc.wait()
 

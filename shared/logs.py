@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -19,6 +20,10 @@ from typing import Any
 from opentelemetry import trace
 
 from shared.tracing import trace_ids
+
+# Asks a service to write every thread's Python stack to stderr (services/cli.py registers it; the
+# launcher sends it to a child that does not stop in time, before killing it).
+STACK_DUMP_SIGNAL = signal.SIGUSR1
 
 REQUEST_KEYS = ("request_id", "trace_id", "span_id")
 LOG_FORMATS = ("text", "json")

@@ -2,7 +2,8 @@
 
 Frontend and scheduler get SIGTERM first and drain; the workers keep running until both have
 exited (the requests draining run on them), and a child that ignores SIGTERM is killed once its
-grace period is over. The children here are small Python processes that log their signals.
+grace period is over, after it was asked to write its threads' stacks. The children here are
+small Python processes that log their signals.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import pytest
 from services import launcher as launcher_module
 from services.launcher import Launcher, ServeConfig
 
-# Logs "term <t>" on SIGTERM, then "exit <t>" after DRAIN_S (or never exits with IGNORE).
+# Logs "term <t>" on SIGTERM, then "exit <t>" after DRAIN_S (or never exits with IGNORE); writes its
+# stacks to <log>.stacks on the stack-dump signal, as services/cli.py has the services do on stderr.
 CHILD = """
-import signal, sys, time
+import faulthandler, signal, sys, time
 log, drain_s = sys.argv[1], float(sys.argv[2])
+faulthandler.register(signal.SIGUSR1, file=open(log + ".stacks", "w"), all_threads=True)
 def note(what):
     with open(log, "a") as f:
         f.write(f"{what} {time.time()}\\n")
@@ -71,4 +74,6 @@ def test_a_child_that_ignores_sigterm_is_killed_after_its_grace(tmp_path: Path,
     launcher.stop()
     assert 0.5 <= time.monotonic() - start < 5
     assert launcher.children["frontend"].returncode == -9
+    assert "most recent call first" in (tmp_path / "frontend.stacks").read_text(), "its stacks, before the kill"
+    assert (tmp_path / "scheduler.stacks").read_text() == "", "a child that stopped is not asked"
     assert "term" in _events(tmp_path / "worker-0"), "the workers are still stopped gently"
