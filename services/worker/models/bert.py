@@ -29,7 +29,7 @@ from services.worker.attention import AttentionBackend, LayerAttentionSpec
 from services.worker.attention.packed_encoder import EncoderAttention
 from services.worker.models.base import SpindleModel, WeightTarget
 from services.worker.models.encoder_config import EncoderConfig
-from services.worker.models.fused import fused_kernels_enabled
+from services.worker.models.fused import KERNEL_DTYPES, fused_kernels_enabled
 from services.worker.models.prepacked_linear import PrepackedLinear
 from shared.types import RequestKind
 
@@ -57,7 +57,6 @@ _HEAD = {
 }
 _LAYER = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
 _OTHER = re.compile(r"^(.+)\.(weight|bias)$")
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # GEMM outputs the add & norm kernel takes
 
 
 class EncoderEmbeddings(nn.Module):
@@ -91,7 +90,7 @@ class EncoderNorm(nn.LayerNorm):
                     narrow: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(LayerNorm(x + residual), that rounded to bf16 where `narrow`, else None); x is a GEMM's
         output (bf16 under bf16 GEMM inputs: widened first), residual the layer's input."""
-        if self.fused and residual.dtype == torch.float32 == self.weight.dtype and x.dtype in _KERNEL_DTYPES:
+        if self.fused and residual.dtype == torch.float32 == self.weight.dtype and x.dtype in KERNEL_DTYPES:
             out = torch.ops.spindle.add_layer_norm(x, residual, self.weight, self.bias, self.eps, narrow)
             return out[0], out[1] if narrow else None
         y = F.layer_norm(x.to(residual.dtype) + residual, self.normalized_shape, self.weight, self.bias, self.eps)

@@ -25,7 +25,7 @@ from services.worker.attention import AttentionBackend, LayerAttentionSpec
 from services.worker.models.base import SpindleModel, WeightTarget
 from services.worker.models.config import DecoderConfig
 from services.worker.models.fast_linear import FastLinear
-from services.worker.models.fused import ACTIVATION_CODES, fused_kernels_enabled
+from services.worker.models.fused import ACTIVATION_CODES, KERNEL_DTYPES, fused_kernels_enabled
 from services.worker.models.native_stack import NativeStack, build_native_stack
 from services.worker.models.rope import RotaryEmbedding
 from shared.types import RequestKind
@@ -39,7 +39,6 @@ _FUSED = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations the fused kernels take
 
 
 class RMSNorm(nn.Module):
@@ -122,7 +121,7 @@ class Attention(nn.Module):
         v = v.view(-1, s.num_kv_heads, s.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.fused_rotary and kv_cache is not None and q.dtype in _KERNEL_DTYPES:
+        if self.fused_rotary and kv_cache is not None and q.dtype in KERNEL_DTYPES:
             out = self.backend.forward_rotary(  # type: ignore[attr-defined]
                 s, q, k, v, kv_cache, meta, positions.contiguous(), self.rope.cos, self.rope.sin
             )
@@ -144,7 +143,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.fused and gate_up.dtype in _KERNEL_DTYPES:
+        if self.fused and gate_up.dtype in KERNEL_DTYPES:
             return self.down_proj(torch.ops.spindle.act_and_mul(gate_up, self.act_code))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(self.act(gate) * up)

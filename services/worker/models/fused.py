@@ -53,6 +53,7 @@ from shared.switches import switch_on
 
 logger = logging.getLogger(__name__)
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations the fused kernels take
 DISABLE_ENV = "SPINDLE_DISABLE_FUSED_KERNELS"  # 1: torch's unfused ops (for side-by-side benchmarks)
 # models' hidden_act -> act_and_mul's activation code
 ACTIVATION_CODES = {"silu": 0, "gelu_pytorch_tanh": 1}
