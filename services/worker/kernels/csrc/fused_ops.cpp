@@ -289,7 +289,6 @@ void run_act_and_mul(const at::Tensor& gate_up, at::Tensor& out, int64_t activat
   for_rows(rows, n, [&](int64_t r) { act_mul_row_of(in + r * 2 * n, in + r * 2 * n + n, op + r * n, n, activation); });
 }
 
-
 // --- the encoder's residual add and LayerNorm --------------------------------------------
 
 // One row of out = LayerNorm(x + residual): BertLayer's post-norm, as torch computes it in
@@ -374,7 +373,6 @@ at::Tensor act_and_mul(const at::Tensor& gate_up_in, int64_t activation) {
   return out.view(shape);
 }
 
-
 // [LayerNorm(residual + x)] or, where `narrow`, [that, that rounded to bf16]: a post-norm encoder
 // layer's residual add and norm in one pass; x [..., hidden] float32 or bf16 (a GEMM's output),
 // residual, weight and bias float32.
@@ -388,14 +386,14 @@ std::vector<at::Tensor> add_layer_norm(const at::Tensor& x_in, const at::Tensor&
                 "add_layer_norm: weight and bias must be contiguous float32 [hidden] tensors");
   }
   at::Tensor out = at::empty(x.sizes(), residual.options());
-  std::vector<at::Tensor> outs;
   at::Tensor low = narrow ? at::empty(x.sizes(), residual.options().dtype(at::kBFloat16)) : at::Tensor();
+  at::Tensor* low_out = narrow ? &low : nullptr;
   if (x.scalar_type() == at::kFloat) {
-    run_add_layer_norm<float>(x, residual, weight, bias, out, narrow ? &low : nullptr, eps);
+    run_add_layer_norm<float>(x, residual, weight, bias, out, low_out, eps);
   } else {
-    run_add_layer_norm<c10::BFloat16>(x, residual, weight, bias, out, narrow ? &low : nullptr, eps);
+    run_add_layer_norm<c10::BFloat16>(x, residual, weight, bias, out, low_out, eps);
   }
-  outs.push_back(out.view(x_in.sizes()));
+  std::vector<at::Tensor> outs{out.view(x_in.sizes())};
   if (narrow) outs.push_back(low.view(x_in.sizes()));
   return outs;
 }
