@@ -70,6 +70,7 @@ class AddRequest:
     resumed: bool = False  # re-submitted after a reconnect: replaces the scheduler's copy
     shares_prompt_with: str = ""  # a later sample of an n > 1 request: the first sample's id
     mm_items: list[MultiModalItem] = field(default_factory=list)  # images, in prompt order
+    normalize: bool = False  # embed requests: the worker L2-normalises the vector
 
 
 @dataclass(slots=True)

@@ -117,10 +117,8 @@ class PoolingClient:
             check_texts(texts, self.limits, "input")
             encoded = await self.tokenizer.encode_batch(texts, limit.num_tokens if request.truncate else None)
         _check_lengths(encoded, limit, "input")
-        result = await self._run(RequestKind.EMBED, encoded, request, telemetry.traceparent)
-        if request.normalize if request.normalize is not None else self.normalize_default:
-            result.vectors = [_l2_normalize(v) for v in result.vectors]
-        return result
+        normalize = request.normalize if request.normalize is not None else self.normalize_default
+        return await self._run(RequestKind.EMBED, encoded, request, telemetry.traceparent, normalize)
 
     async def _score(self, request: ScoreInput, telemetry: RequestTelemetry) -> PoolingResult:
         info = await self._check_request(request.model, RequestKind.SCORE, request.priority)
@@ -150,8 +148,10 @@ class PoolingClient:
         return info
 
     async def _run(self, kind: RequestKind, encoded: list[Encoded], request: EmbedInput | ScoreInput,
-                   traceparent: str) -> PoolingResult:
-        """Submit every input (one batched message), wait for all pooled outputs, in input order."""
+                   traceparent: str, normalize: bool = False) -> PoolingResult:
+        """Submit every input (one batched message), wait for all pooled outputs, in input order;
+        `normalize`: the worker L2-normalises each vector (one op over its round, where a Python
+        loop here took ~35 us a 384-value vector)."""
         batch_id = uuid.uuid4().hex
         streams: list[RequestStream] = []
         timeout_s = effective_timeout_s(self.request_timeout_s, request.timeout_s)
@@ -162,7 +162,8 @@ class PoolingClient:
                 streams.append(self.scheduler.submit(AddRequest(
                     request_id=f"{kind.name.lower()}-{batch_id}-{i}", prompt_token_ids=item.token_ids,
                     sampling=SamplingOptions(max_tokens=1), kind=kind, priority=request.priority,
-                    token_type_ids=item.token_type_ids, traceparent=traceparent, deadline_unix_s=deadline_unix_s)))
+                    token_type_ids=item.token_type_ids, traceparent=traceparent, deadline_unix_s=deadline_unix_s,
+                    normalize=normalize)))
             async with asyncio.timeout(timeout_s):
                 finals = await asyncio.gather(*(_final_update(s) for s in streams))
         except TimeoutError as exc:
@@ -238,11 +239,6 @@ def _check_length(num_tokens: int, limit: _TokenLimit, field: str) -> None:
     if num_tokens > limit.num_tokens:
         raise InvalidArgumentError(f"{field} has {num_tokens} tokens, more than {limit.name} of {limit.num_tokens} "
                                    "tokens; shorten it or set truncate")
-
-
-def _l2_normalize(vector: list[float]) -> list[float]:
-    norm = math.sqrt(sum(x * x for x in vector))
-    return [x / norm for x in vector] if norm > 0 else vector
 
 
 def _sigmoid(x: float) -> float:

@@ -49,6 +49,7 @@ def add_request_to_proto(r: AddRequest, frontend_id: str = "") -> scheduler_pb2.
         shares_prompt_with=r.shares_prompt_with,
         mm_items=[mm_item_to_proto(item) for item in r.mm_items],
         frontend_id=frontend_id,
+        normalize=r.normalize,
     )
 
 

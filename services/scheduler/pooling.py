@@ -29,6 +29,7 @@ def build_pooling_round(ws: WorkerState, config: SchedulerConfig) -> ExecuteRoun
             kind=request.kind,
             token_ids=request.prompt_token_ids,
             token_type_ids=request.token_type_ids,
+            normalize=request.normalize,
             traceparent=request.span_traceparent or request.traceparent,
         ))
     if not rnd.pooling_requests:

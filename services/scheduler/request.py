@@ -40,7 +40,7 @@ _DURABLE_FIELDS = (
     "request_id", "kind", "prompt_token_ids", "output_token_ids", "sampling", "priority",
     "arrival_seq", "status", "num_computed_tokens", "num_cached_tokens", "worker_index",
     "connection_id", "traceparent", "deadline_unix_s", "cache_salts", "token_type_ids",
-    "num_preemptions", "stop_reason", "mm_items", "frontend_id",
+    "num_preemptions", "stop_reason", "mm_items", "frontend_id", "normalize",
 )
 
 
@@ -71,6 +71,7 @@ class Request:
     cache_salts: tuple[str, ...] = ()  # extra prefix-cache keys of the whole chain (salts)
     mm_items: tuple[MultiModalItem, ...] = ()  # images, sorted by offset, ranges disjoint
     token_type_ids: list[int] = field(default_factory=list)  # cross-encoder segments
+    normalize: bool = False  # embed requests: the worker L2-normalises the vector
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -190,6 +191,7 @@ class Request:
             cache_salts=tuple(data["cache_salts"]),
             mm_items=tuple(_item_from_dict(item) for item in data.get("mm_items", ())),
             token_type_ids=list(data["token_type_ids"]),
+            normalize=data.get("normalize", False),
             output_token_ids=list(data["output_token_ids"]),
             status=RequestStatus(data["status"]),
             num_computed_tokens=data["num_computed_tokens"],

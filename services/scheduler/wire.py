@@ -29,6 +29,7 @@ def request_from_proto(msg: scheduler_pb2.AddRequest, connection_id: int) -> Req
         deadline_unix_s=msg.deadline_unix_s,
         cache_salts=tuple(msg.cache_salts),
         token_type_ids=list(msg.token_type_ids),
+        normalize=msg.normalize,
         output_token_ids=list(msg.output_token_ids),
         shares_prompt_with=msg.shares_prompt_with,
         mm_items=tuple(mm_item_from_proto(item) for item in msg.mm_items),
@@ -46,6 +47,7 @@ def add_requests_to_proto(requests: Sequence[Request]) -> scheduler_pb2.ConnectR
             traceparent=r.traceparent, deadline_unix_s=r.deadline_unix_s, cache_salts=r.cache_salts,
             output_token_ids=r.output_token_ids, resumed=r.is_resumed, shares_prompt_with=r.shares_prompt_with,
             frontend_id=r.frontend_id, mm_items=[mm_item_to_proto(item) for item in r.mm_items],
+            normalize=r.normalize,
         )
         for r in requests
     ]))

@@ -7,9 +7,10 @@ spindle cannot reproduce exactly (Dense layers, max pooling) is rejected, never 
 
 Defaults without sentence-transformers files: CLS pooling (HF BertModel's own convention, as
 vLLM does), no length cap beyond the position table. Cross-encoders always pool CLS (their
-classifier reads the first token). L2 normalisation is not applied here by default: the
-pipeline's Normalize module is the frontend's business (it lets a request turn it off); the
-worker normalises exactly the requests whose `PoolingRequestData.normalize` is set.
+classifier reads the first token). L2 normalisation is not applied here by default: whether
+a request is normalised is the frontend's decision (the pipeline's Normalize module sets the
+default, a request may turn it off), carried through the scheduler; the worker normalises
+exactly the requests whose `PoolingRequestData.normalize` is set, the round's vectors at once.
 """
 
 from __future__ import annotations

@@ -111,11 +111,21 @@ def test_embeddings_batched_base64_and_grpc(embed_server: RunningServer) -> None
         raw = base64.b64decode(item["embedding"])
         vec = np.asarray(struct.unpack(f"<{len(raw) // 4}f", raw))
         assert cosine(vec, want) >= 0.9999
+        assert abs(np.linalg.norm(vec) - 1.0) < 1e-5  # the model's pipeline ends in Normalize
     with grpc.insecure_channel(embed_server.grpc_address) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         answer = stub.Embed(generation_pb2.EmbedRequest(model=embed_server.model_name, inputs=texts))
         for emb, want in zip(answer.embeddings, expected, strict=True):
             assert cosine(np.asarray(emb.values), want) >= 0.9999
+            assert abs(np.linalg.norm(emb.values) - 1.0) < 1e-5
+    # Turned off, the vectors come as pooled (mean-pooled MiniLM's are far from unit length),
+    # still along sentence-transformers' direction.
+    status, body = post(embed_server, "/v1/embeddings", {"model": embed_server.model_name, "input": texts,
+                                                         "normalize": False})
+    assert status == 200, body
+    for item, want in zip(body["data"], expected, strict=True):
+        assert cosine(np.asarray(item["embedding"]), want) >= 0.9999
+        assert np.linalg.norm(item["embedding"]) > 1.5
 
 
 def test_embedding_bad_input(embed_server: RunningServer) -> None:

@@ -69,16 +69,24 @@ def test_normalize_follows_sentence_transformers_modules(tmp_path: Path) -> None
 
 
 @embed_model
-async def test_grpc_embed_batches_inputs_and_normalizes_on_request(stub: Stub, fake: FakeScheduler,
-                                                                   frontend: Frontend) -> None:
+async def test_grpc_embed_batches_inputs_and_asks_the_worker_to_normalize(stub: Stub, fake: FakeScheduler,
+                                                                          frontend: Frontend) -> None:
     texts = ["hello world", "数据 模型", "x"]
     response = await stub.Embed(pb.EmbedRequest(model=MODEL_NAME, inputs=texts))
     assert [list(e.values) for e in response.embeddings] == [_expected_embedding(frontend, t) for t in texts]
     assert fake.add_batches == [3]
     assert response.usage.prompt_tokens == sum(len(frontend.tokenizer.hf.encode(t)) for t in texts)
+    assert [a.normalize for a in fake.added] == [False] * 3  # this model's pipeline has no Normalize module
+    # Asked for, each input's scheduler request carries it; the vectors are passed on as they come
+    # (the worker normalises: tests/worker/test_pooling.py, and against sentence-transformers in
+    # tests/e2e/test_pooling_models.py).
     normalized = await stub.Embed(pb.EmbedRequest(model=MODEL_NAME, inputs=texts, normalize=True))
-    for emb in normalized.embeddings:
-        assert math.isclose(sum(v * v for v in emb.values), 1.0, rel_tol=1e-6)
+    assert [a.normalize for a in fake.added[3:]] == [True] * 3
+    assert [list(e.values) for e in normalized.embeddings] == [_expected_embedding(frontend, t) for t in texts]
+    frontend.pooling.normalize_default = True  # a model whose pipeline ends in Normalize
+    await stub.Embed(pb.EmbedRequest(model=MODEL_NAME, inputs=texts[:1]))
+    await stub.Embed(pb.EmbedRequest(model=MODEL_NAME, inputs=texts[:1], normalize=False))
+    assert [a.normalize for a in fake.added[6:]] == [True, False]
 
 
 @embed_model

@@ -404,15 +404,17 @@ def test_embed_requests_are_batched_and_pooled() -> None:
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=10), [worker.info])
     sink = UpdateSink()
     for i, n in enumerate([4, 5, 12]):
-        sched.add_request(Request(f"e{i}", list(range(4, 4 + n)), kind=RequestKind.EMBED), sink)
-    rounds = []
+        sched.add_request(Request(f"e{i}", list(range(4, 4 + n)), kind=RequestKind.EMBED, normalize=i == 1), sink)
+    rounds, normalize = [], {}
     while sched.requests:
         rnd = sched.schedule()[0]
         rounds.append([p.request_id for p in rnd.pooling_requests])
+        normalize |= {p.request_id: p.normalize for p in rnd.pooling_requests}
         worker.submit(rnd)
         for out in worker.run_round():
             sched.update_from_output(0, out, sink)
     assert rounds == [["e0", "e1"], ["e2"]]  # 12 tokens > budget: runs alone
+    assert normalize == {"e0": False, "e1": True, "e2": False}  # each request's own flag, to the worker
     pooled = {u.request_id: u.pooled for u in _updates(sink)}
     assert pooled["e2"] == [12.0, float(sum(range(4, 16)) % 97)]
     assert all(u.stop_reason is StopReason.POOLED for u in _updates(sink))
@@ -421,6 +423,7 @@ def test_embed_requests_are_batched_and_pooled() -> None:
 def test_request_state_round_trips_through_a_plain_dict() -> None:
     request = _req("a", [5, 6, 7], max_tokens=9, stop_token_ids=(3, 4), logprobs=2, logit_bias=((5, -1.5), (9, 100.0)))
     request.cache_salts = ("img",)
+    request.normalize = True
     request.append_output_token(11)
     request.status = RequestStatus.PREEMPTED
     request.stop_reason = StopReason.LENGTH
