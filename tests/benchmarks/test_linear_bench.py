@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.linear_bench import bench, layer_shapes
+from benchmarks.linear_bench import bench, layer_shapes, stack_passes, stack_weights
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -20,3 +20,19 @@ def test_every_shape_and_row_count_is_timed(dtype: torch.dtype) -> None:
     results = bench([("tiny", 24, 16)], [1, 9], dtype, repeats=2)
     assert [(label, rows) for label, rows, _, _ in results] == [("tiny 24 x 16", 1), ("tiny 24 x 16", 9)]
     assert all(kernel > 0 and onednn > 0 for _, _, kernel, onednn in results)
+
+
+def test_stack_weights_are_a_decode_steps_linears_in_order() -> None:
+    weights = stack_weights("small", torch.bfloat16)
+    assert [tuple(w.shape) for w in weights] == [(384, 256), (256, 256), (1536, 256), (256, 768)] * 4 + [(8192, 256)]
+    assert all(w.dtype == torch.bfloat16 for w in weights)
+
+
+def test_a_stack_pass_is_timed_against_the_bandwidth_measured_beside_it() -> None:
+    weights = [torch.randn(24, 16), torch.randn(8, 24)]
+    calls = []
+    passes = stack_passes(weights, [1, 3], rounds=2, repeats=2, bandwidth=lambda: calls.append(1) or 1e9)
+    assert [p.rows for p in passes] == [1, 3, 1, 3] and len(calls) == 4  # measured before each
+    assert all(p.weight_bytes == (24 * 16 + 8 * 24) * 4 and p.seconds > 0 for p in passes)
+    first = passes[0]
+    assert first.fraction == pytest.approx(first.weight_bytes / first.seconds / 1e9)
