@@ -36,6 +36,7 @@ from benchmarks.limit import machine_cores
 from benchmarks.machine_limits import read_bandwidth
 from benchmarks.models import BENCH_MODELS
 from services.worker.kernels.build import load_kernels
+from services.worker.models.fast_linear import set_one_row_pairs
 from services.worker.models.native_stack import work_pool_scope
 from services.worker.models.prepacked_linear import OneDnnWeight
 
@@ -94,16 +95,20 @@ def stack_weights(model: str, dtype: torch.dtype) -> list[torch.Tensor]:
 def stack_passes(weights: Sequence[torch.Tensor], rows: Sequence[int], rounds: int, repeats: int,
                  bandwidth: Callable[[], float] = read_bandwidth) -> list[StackPass]:
     """Per round and row count, the fastest of `repeats` passes over `weights` and the bandwidth
-    measured just before (rounds interleave the two, so a drifting host moves both)."""
+    measured just before (rounds interleave the two, so a drifting host moves both). One row of
+    bf16 takes the path the worker's loader picks for this many weight bytes (k pairs only where
+    they fit in half the last-level cache: then they are read from the cache, and the fraction
+    of the memory bandwidth can pass 1)."""
     load_kernels()
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    set_one_row_pairs(weight_bytes)
     out = []
     for _ in range(rounds):
         for m in rows:
             xs = {k: torch.randn(m, k).to(weights[0].dtype) for k in {w.shape[1] for w in weights}}
             limit = bandwidth()
             best = float("inf")
-            with torch.inference_mode(), work_pool_scope():
+            with torch.inference_mode(), work_pool_scope():  # (torch's own sum outside it: all threads)
                 for _ in range(repeats):
                     start = time.perf_counter()
                     for w in weights:

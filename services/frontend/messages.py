@@ -45,6 +45,7 @@ class SchedulerInfo:
     max_request_tokens: int = 0  # 0: unknown, only max_model_len limits a request
     mm_tokens_per_item: int = 0  # feature tokens per image; 0: the model takes no images
     limit_mm_per_prompt: int = 0  # most images per request
+    normalizes_embeddings: bool = False  # the scheduler passes AddRequest.normalize to its workers
 
     @property
     def max_total_tokens(self) -> int:

@@ -2,10 +2,12 @@
 
 Validation early (inputs, model task, lengths), tokenization late (one batched call off the
 loop), then every input goes to the scheduler as its own request in one AddRequests message;
-the pooled vectors come back on the final updates. The worker returns the model's raw pooled
-output (the embedding; the classifier logits); this module applies the model's
-post-processing: L2 normalisation when the sentence-transformers config has a Normalize
-module (or the request asks for it), and a sigmoid over a single-label cross-encoder's logit.
+the pooled vectors come back on the final updates. L2 normalisation is decided here (the
+sentence-transformers config's Normalize module sets the default, a request may say otherwise)
+and done by the worker for a whole round at once (`AddRequest.normalize`); only behind a
+scheduler that does not pass the flag on (an older one, mid-upgrade) is it done here. This
+module applies the rest of the model's post-processing: a sigmoid over a single-label
+cross-encoder's logit.
 """
 
 from __future__ import annotations
@@ -118,7 +120,12 @@ class PoolingClient:
             encoded = await self.tokenizer.encode_batch(texts, limit.num_tokens if request.truncate else None)
         _check_lengths(encoded, limit, "input")
         normalize = request.normalize if request.normalize is not None else self.normalize_default
-        return await self._run(RequestKind.EMBED, encoded, request, telemetry.traceparent, normalize)
+        if info.normalizes_embeddings:
+            return await self._run(RequestKind.EMBED, encoded, request, telemetry.traceparent, normalize)
+        result = await self._run(RequestKind.EMBED, encoded, request, telemetry.traceparent)
+        if normalize:  # an older scheduler drops the flag: normalise here
+            result.vectors = [_l2_normalize(v) for v in result.vectors]
+        return result
 
     async def _score(self, request: ScoreInput, telemetry: RequestTelemetry) -> PoolingResult:
         info = await self._check_request(request.model, RequestKind.SCORE, request.priority)
@@ -150,8 +157,8 @@ class PoolingClient:
     async def _run(self, kind: RequestKind, encoded: list[Encoded], request: EmbedInput | ScoreInput,
                    traceparent: str, normalize: bool = False) -> PoolingResult:
         """Submit every input (one batched message), wait for all pooled outputs, in input order;
-        `normalize`: the worker L2-normalises each vector (one op over its round, where a Python
-        loop here took ~35 us a 384-value vector)."""
+        `normalize`: the worker L2-normalises each vector (one op over its round: 39 us for 32
+        vectors of 384, where `_l2_normalize` takes 22 us a vector)."""
         batch_id = uuid.uuid4().hex
         streams: list[RequestStream] = []
         timeout_s = effective_timeout_s(self.request_timeout_s, request.timeout_s)
@@ -239,6 +246,12 @@ def _check_length(num_tokens: int, limit: _TokenLimit, field: str) -> None:
     if num_tokens > limit.num_tokens:
         raise InvalidArgumentError(f"{field} has {num_tokens} tokens, more than {limit.name} of {limit.num_tokens} "
                                    "tokens; shorten it or set truncate")
+
+
+def _l2_normalize(vector: list[float]) -> list[float]:
+    """Behind a scheduler without `normalizes_embeddings` only; otherwise the worker does it."""
+    norm = math.sqrt(sum(x * x for x in vector))
+    return [x / norm for x in vector] if norm > 0 else vector
 
 
 def _sigmoid(x: float) -> float:

@@ -116,6 +116,7 @@ def info_from_proto(msg: scheduler_pb2.GetSchedulerInfoResponse) -> SchedulerInf
         max_request_tokens=msg.max_request_tokens,
         mm_tokens_per_item=msg.mm_tokens_per_item,
         limit_mm_per_prompt=msg.limit_mm_per_prompt,
+        normalizes_embeddings=msg.normalizes_embeddings,
     )
 
 

@@ -10,6 +10,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import RequestStatus
 from services.scheduler.worker_state import InflightRound, WorkerState
 from shared.execute import ExecuteRound, PoolingRequestData
+from shared.types import RequestKind
 
 
 def build_pooling_round(ws: WorkerState, config: SchedulerConfig) -> ExecuteRound | None:
@@ -29,7 +30,7 @@ def build_pooling_round(ws: WorkerState, config: SchedulerConfig) -> ExecuteRoun
             kind=request.kind,
             token_ids=request.prompt_token_ids,
             token_type_ids=request.token_type_ids,
-            normalize=request.normalize,
+            normalize=request.normalize and request.kind is RequestKind.EMBED,  # never a score's logit
             traceparent=request.span_traceparent or request.traceparent,
         ))
     if not rnd.pooling_requests:

@@ -96,6 +96,7 @@ def info_to_proto(info: SchedulerInfo) -> scheduler_pb2.GetSchedulerInfoResponse
         vocab_size=info.vocab_size, num_workers=info.num_workers, num_kv_blocks=info.num_kv_blocks,
         block_size=info.block_size, max_request_tokens=info.max_request_tokens,
         mm_tokens_per_item=info.mm_tokens_per_item, limit_mm_per_prompt=info.limit_mm_per_prompt,
+        normalizes_embeddings=True,  # AddRequest.normalize reaches the workers (pooling.py)
         stats=scheduler_pb2.SchedulerStats(
             num_steps=s.num_steps, num_preemptions=s.num_preemptions,
             prefix_cache_queries=s.num_prefix_query_tokens, prefix_cache_hits=s.num_prefix_hit_tokens,

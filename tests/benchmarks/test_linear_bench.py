@@ -28,11 +28,20 @@ def test_stack_weights_are_a_decode_steps_linears_in_order() -> None:
     assert all(w.dtype == torch.bfloat16 for w in weights)
 
 
-def test_a_stack_pass_is_timed_against_the_bandwidth_measured_beside_it() -> None:
+def test_a_stack_pass_is_timed_against_the_bandwidth_measured_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
     weights = [torch.randn(24, 16), torch.randn(8, 24)]
-    calls = []
-    passes = stack_passes(weights, [1, 3], rounds=2, repeats=2, bandwidth=lambda: calls.append(1) or 1e9)
-    assert [p.rows for p in passes] == [1, 3, 1, 3] and len(calls) == 4  # measured before each
-    assert all(p.weight_bytes == (24 * 16 + 8 * 24) * 4 and p.seconds > 0 for p in passes)
-    first = passes[0]
-    assert first.fraction == pytest.approx(first.weight_bytes / first.seconds / 1e9)
+    events: list[str] = []
+    kernel = torch.ops.spindle.linear_small_m
+
+    def counted(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        events.append(f"{x.shape[0]} rows")
+        return kernel(x, w, bias)
+
+    monkeypatch.setattr(torch.ops.spindle, "linear_small_m", counted)
+    passes = stack_passes(weights, [1, 3], rounds=2, repeats=2,
+                          bandwidth=lambda: events.append("bandwidth") or 1e9)
+    one_row, three_rows = ["bandwidth"] + ["1 rows"] * 4, ["bandwidth"] + ["3 rows"] * 4  # 2 passes of 2 weights
+    assert events == (one_row + three_rows) * 2
+    assert [p.rows for p in passes] == [1, 3, 1, 3]
+    assert all(p.weight_bytes == (24 * 16 + 8 * 24) * 4 and p.read_bytes_per_s == 1e9 for p in passes)
+    assert all(0 < p.seconds < 1 and p.fraction == p.weight_bytes / p.seconds / 1e9 for p in passes)

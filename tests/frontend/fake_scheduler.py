@@ -48,6 +48,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
     step_interval_s: float = 0.002
     tokens_per_step: int = 1
     num_cached_tokens: int = 0
+    normalizes_embeddings: bool = True  # False: an older scheduler that drops AddRequest.normalize
     script: Callable[[list[int]], list[int]] = echo_script
     # Called for each new request; a RequestError returned fails it on its first step.
     error_for: Callable[[scheduler_pb2.AddRequest], common_pb2.RequestError | None] = lambda add: None
@@ -71,6 +72,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
             ready=self.ready, model_id="fake", task=self.task,
             max_model_len=self.max_model_len, vocab_size=self.vocab_size, num_workers=1,
             num_kv_blocks=64, block_size=16, max_request_tokens=self.max_model_len,
+            normalizes_embeddings=self.normalizes_embeddings,
         )
 
     async def Connect(self, request_iterator: AsyncIterator[scheduler_pb2.ConnectRequest],  # noqa: N802

@@ -21,13 +21,16 @@ from tests.frontend.fake_scheduler import FakeScheduler
 
 EMBED, SCORE = common_pb2.REQUEST_KIND_EMBED, common_pb2.REQUEST_KIND_SCORE
 embed_model = pytest.mark.parametrize("fake", [EMBED], indirect=True, ids=["embed-model"])
+# An older scheduler (no `normalizes_embeddings`), as a rolling upgrade that reached the frontends first meets.
+embed_model_old_scheduler = pytest.mark.parametrize("fake", [(EMBED, False)], indirect=True, ids=["old-scheduler"])
 score_model = pytest.mark.parametrize("fake", [SCORE], indirect=True, ids=["score-model"])
 Stub = generation_pb2_grpc.GenerationServiceStub
 
 
 @pytest.fixture
 def fake(request: pytest.FixtureRequest) -> FakeScheduler:
-    return FakeScheduler(task=request.param)
+    task, normalizes = request.param if isinstance(request.param, tuple) else (request.param, True)
+    return FakeScheduler(task=task, normalizes_embeddings=normalizes)
 
 
 @pytest.fixture(scope="session")
@@ -89,6 +92,20 @@ async def test_grpc_embed_batches_inputs_and_asks_the_worker_to_normalize(stub: 
     assert [a.normalize for a in fake.added[6:]] == [True, False]
 
 
+@embed_model_old_scheduler
+async def test_behind_an_older_scheduler_the_frontend_normalizes(stub: Stub, fake: FakeScheduler,
+                                                                 frontend: Frontend) -> None:
+    texts = ["hello world", "x"]
+    plain = await stub.Embed(pb.EmbedRequest(model=MODEL_NAME, inputs=texts))
+    assert [list(e.values) for e in plain.embeddings] == [_expected_embedding(frontend, t) for t in texts]
+    normalized = await stub.Embed(pb.EmbedRequest(model=MODEL_NAME, inputs=texts, normalize=True))
+    for emb, text in zip(normalized.embeddings, texts, strict=True):
+        want = _expected_embedding(frontend, text)
+        norm = math.sqrt(sum(v * v for v in want))
+        assert list(emb.values) == pytest.approx([v / norm for v in want], rel=1e-6)
+    assert not any(a.normalize for a in fake.added)  # not asked of a scheduler that would drop it
+
+
 @embed_model
 async def test_embed_input_checks(stub: Stub, frontend: Frontend) -> None:
     for request, message in [
@@ -108,7 +125,7 @@ async def test_embed_input_checks(stub: Stub, frontend: Frontend) -> None:
 
 
 @embed_model
-async def test_openai_embeddings_base64_and_float(frontend: Frontend) -> None:
+async def test_openai_embeddings_base64_and_float(frontend: Frontend, fake: FakeScheduler) -> None:
     url = f"http://{frontend.http_address}/v1"
     client = AsyncOpenAI(base_url=url, api_key="unused", max_retries=0)
     try:
@@ -122,6 +139,10 @@ async def test_openai_embeddings_base64_and_float(frontend: Frontend) -> None:
     finally:
         await client.close()
     async with aiohttp.ClientSession() as session:
+        for normalize in (True, False):  # spindle's own field, as vLLM's API has it: to the worker
+            async with session.post(url + "/embeddings", json={"input": "hi", "normalize": normalize}) as resp:
+                assert resp.status == 200
+            assert fake.added[-1].normalize is normalize
         for body, message in [({"input": []}, "input is empty"), ({"input": "hi", "encoding_format": "hex"}, "hex"),
                               ({"input": {"a": 1}}, "input must be"), ({"input": [[5, 9999]]}, "input[0][1]=9999")]:
             async with session.post(url + "/embeddings", json=body) as resp:
@@ -133,7 +154,7 @@ async def test_openai_embeddings_base64_and_float(frontend: Frontend) -> None:
 
 
 @score_model
-async def test_grpc_score_sorts_and_cuts(stub: Stub, frontend: Frontend) -> None:
+async def test_grpc_score_sorts_and_cuts(stub: Stub, frontend: Frontend, fake: FakeScheduler) -> None:
     query, documents = "which fox", ["a", "the quick brown fox jumps", "hello world"]
     want = [_expected_score(frontend, query, d) for d in documents]
     response = await stub.Score(pb.ScoreRequest(model=MODEL_NAME, query=query, documents=documents))
@@ -148,6 +169,7 @@ async def test_grpc_score_sorts_and_cuts(stub: Stub, frontend: Frontend) -> None
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Embed(pb.EmbedRequest(model=MODEL_NAME, inputs=["x"]))
     assert "does not support embeddings" in (info.value.details() or "")
+    assert fake.added and not any(a.normalize for a in fake.added)  # a score's logit is never normalised
 
 
 @score_model

@@ -99,6 +99,7 @@ async def test_info_reports_ready_once_workers_answer(stack: Stack) -> None:
     info = await _wait_ready(stack.stub)
     assert (info.model_id, info.num_workers, info.block_size, info.num_kv_blocks) == ("fake", 2, 4, 64)
     assert info.max_model_len == 128 and info.vocab_size == 64
+    assert info.normalizes_embeddings  # frontends leave embeddings' normalisation to it (and its workers)
     assert info.max_request_tokens == 32 * 4 - 3  # pool minus multi-step lookahead slack
 
 

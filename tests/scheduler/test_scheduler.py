@@ -420,6 +420,14 @@ def test_embed_requests_are_batched_and_pooled() -> None:
     assert all(u.stop_reason is StopReason.POOLED for u in _updates(sink))
 
 
+def test_a_score_request_is_never_normalized() -> None:
+    worker = FakeWorker(0, 1, task=RequestKind.SCORE)
+    sched = Scheduler(SchedulerConfig(), [worker.info])
+    sched.add_request(Request("s0", [5, 6, 7], kind=RequestKind.SCORE, normalize=True), UpdateSink())
+    rnd = sched.schedule()[0]
+    assert [(p.request_id, p.normalize) for p in rnd.pooling_requests] == [("s0", False)]  # a logit, not a vector
+
+
 def test_request_state_round_trips_through_a_plain_dict() -> None:
     request = _req("a", [5, 6, 7], max_tokens=9, stop_token_ids=(3, 4), logprobs=2, logit_bias=((5, -1.5), (9, 100.0)))
     request.cache_salts = ("img",)
