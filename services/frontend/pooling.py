@@ -120,10 +120,9 @@ class PoolingClient:
             encoded = await self.tokenizer.encode_batch(texts, limit.num_tokens if request.truncate else None)
         _check_lengths(encoded, limit, "input")
         normalize = request.normalize if request.normalize is not None else self.normalize_default
-        if info.normalizes_embeddings:
-            return await self._run(RequestKind.EMBED, encoded, request, telemetry.traceparent, normalize)
-        result = await self._run(RequestKind.EMBED, encoded, request, telemetry.traceparent)
-        if normalize:  # an older scheduler drops the flag: normalise here
+        by_worker = normalize and info.normalizes_embeddings
+        result = await self._run(RequestKind.EMBED, encoded, request, telemetry.traceparent, by_worker)
+        if normalize and not by_worker:  # an older scheduler would drop the flag: normalise here
             result.vectors = [_l2_normalize(v) for v in result.vectors]
         return result
 
