@@ -33,14 +33,16 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels")
 @pytest.mark.parametrize(("rows", "out_features", "in_features"),
                          [(1, 64, 32), (1, 130, 75), (1, 3, 5), (1, 200, 1024),
                           (3, 37, 19), (4, 8, 8), (7, 130, 67), (16, 96, 256), (33, 5, 9),
-                          # the AVX-512 few-rows tiles (linear_small_m.cpp): row counts 2-11,
-                          # features past the last block of 4, K not a multiple of 16
-                          (2, 130, 75), (5, 103, 40), (6, 64, 300), (11, 37, 40),
-                          # 7-11 rows of fp32 x over fp32 W: two features side by side a pass
-                          (8, 20, 33), (9, 8, 1024), (10, 14, 16),
+                          # the AVX-512 few-rows tiles (linear_small_m.cpp): row counts 2-11, and
+                          # up to 27 on rows of 512+ values, in row blocks of up to 8, one feature
+                          # a tile up to 3 rows, features past the last block of 3, K not a
+                          # multiple of 16
+                          (2, 130, 75), (5, 103, 40), (6, 64, 300), (11, 37, 40), (8, 20, 33),
+                          (9, 8, 1024), (10, 14, 16), (17, 40, 600), (27, 31, 520),
                           # the AVX-512 kernel's edges (linear_mid_m.cpp): partial row groups and
                           # tiles, features past a 96-wide block, K not a multiple of 16
-                          (12, 97, 19), (17, 200, 75), (64, 385, 300), (65, 100, 33), (130, 50, 16)])
+                          (12, 97, 19), (17, 200, 75), (28, 50, 520), (64, 385, 300), (65, 100, 33),
+                          (130, 50, 16)])
 def test_kernel_equals_f_linear(rows: int, out_features: int, in_features: int, weight_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=gen)
@@ -55,7 +57,7 @@ def test_kernel_equals_f_linear(rows: int, out_features: int, in_features: int, 
 @pytest.mark.parametrize(("rows", "out_features", "in_features"),
                          [(8, 97, 19), (12, 97, 19), (16, 96, 256), (17, 200, 75), (64, 385, 300), (65, 100, 33),
                           (130, 50, 16), (64, 24, 1), (2, 97, 19), (3, 8, 1), (4, 130, 75), (6, 64, 33), (7, 41, 300),
-                          (10, 9, 70)])
+                          (10, 9, 70), (20, 41, 601), (27, 41, 520), (28, 97, 520)])
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
 def test_bf16_activations_and_weights_match_a_float64_reference(rows: int, out_features: int, in_features: int,
                                                                  weight_dtype: torch.dtype) -> None:
@@ -106,16 +108,16 @@ def test_one_row_pairs_only_for_weights_that_fit_in_half_the_cache(monkeypatch: 
         torch.ops.spindle.set_one_row_pairs(False)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 11, 12, 64])  # one row, the few-rows tiles, the tens-of-rows kernel
+@pytest.mark.parametrize("rows", [1, 2, 5, 11, 27, 28, 64])  # one row, the few-rows tiles, the tens-of-rows kernel
 def test_bf16_outputs_are_rounded_in_the_kernel_as_torch_rounds(rows: int) -> None:
     """Each kernel rounds its fp32 sums (bias included) to bf16 as it stores them, bit for bit as
     torch's conversion of the fp32 result does (bf16 x with fp32 W sums exactly as fp32 x does);
     `float_out` gives those rounded values as float32."""
     gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 72, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 520, generator=gen).to(torch.bfloat16)  # 520: rows long enough for tiles to 27 rows
     bias = torch.randn(130, generator=gen).to(torch.bfloat16)
     for weight_dtype in (torch.float32, torch.bfloat16):
-        weight = torch.randn(130, 72, generator=gen).to(weight_dtype)
+        weight = torch.randn(130, 520, generator=gen).to(weight_dtype)
         for b in (bias, None):
             got = torch.ops.spindle.linear_small_m(x, weight, b)
             widened = torch.ops.spindle.linear_small_m(x, weight, b, True)

@@ -28,7 +28,7 @@ FILE_NAME = "linear_calibration.json"
 # The kernels' side-by-side switches that change what the probes time: a run with one on gets
 # timings of its own, not the ones measured with it off (which chose the row counts for code it
 # does not run).
-KERNEL_SWITCHES = ("SPINDLE_DISABLE_BF16_PAIRS", "SPINDLE_DISABLE_FEW_ROWS_TILES", "SPINDLE_DISABLE_PAIR_ROWS_TILES")
+KERNEL_SWITCHES = ("SPINDLE_DISABLE_BF16_PAIRS", "SPINDLE_DISABLE_FEW_ROWS_TILES")
 
 
 def entry_key(out_features: int, in_features: int, weight_dtype: str, has_bias: bool, num_threads: int,

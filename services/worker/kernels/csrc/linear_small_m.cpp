@@ -47,11 +47,18 @@ namespace {
 constexpr int64_t kRowsPerBlock = 3;      // rows of x per register tile (see above)
 constexpr int64_t kFeaturesPerBlock = 4;  // output features per register tile
 // From this many rows on, CPUs with AVX-512 run linear_mid_m.cpp's kernel (its tiles are 16 rows
-// wide: 8 rows leave half the lanes idle). Against the AVX2 tiles below it won at 8 rows and lost
-// at 4 at every shape of the benchmark models (Zen 5, 2026-11-28); the few-rows tiles below beat
-// it at 8 rows at every shape (bf16, Zen 4, hot weights: medium 5632 x 1024 1,180 -> 426 us,
-// small LM head 290 -> 201) and tied it at 12 (2026-11-29).
+// wide, and it broadcasts W a pair at a time: two loads for every two products at 16 rows), or,
+// for rows of at least kLongRow values, from kMidRowsLongRows on. On such rows the few-rows tiles
+// below took a decode step's weights (medium model, `linear_bench --stack`, 2-core AMD EPYC Zen
+// 4, 2026-12-01) at 12 / 16 / 24 / 32 rows in, bf16, 8.4 / 9.8 / 14.0 / 18.1 ms against its 11.8
+// / 12.0 / 17.3 / 17.5, and fp32 16.2 / 20.0 / 34.3 / 42.3 against 22.1 / 22.2 / 34.7 / 36.0:
+// between 24 and 32 (where its time stays flat) they cross. On short rows a tile's fixed cost
+// (24 sums reduced and stored) weighs on few k steps: at 16 rows of K = 256, in cache (`python -m
+// benchmarks.linear_bench --model small --dtype bfloat16`), the LM head took 274 us against
+// its 213, the fused gate_up 59-61 against 48 (K = 768 already gained: 24 against 37).
 constexpr int64_t kMidRows = 12;
+constexpr int64_t kMidRowsLongRows = 28;
+constexpr int64_t kLongRow = 512;
 
 #ifdef __AVX2__
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -128,33 +135,23 @@ inline float row_dot(const float* x, const W* w, int64_t K) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SPINDLE_FEW_ROWS_TILES 1
-// 2-11 rows on AVX-512 (kMidRows): tiles of M rows x 4 features, M a compile-time constant so that the
-// M x 4 accumulators stay in registers (<= 24 of 32 zmm), the four features' rows of W read one
-// after the other (one sequential stream: k-interleaved, the four rows read 13-26 GB/s from
-// memory against 24-34 in turn), each tile's four sums per row reduced together (sum4) and
-// stored with the bias. Two ways to step
-// over k: fp32 lanes (16 k a step; bf16 W widened by a shift), or, for bf16 x with bf16 W on
-// a CPU with AVX512-BF16, vdpbf16ps on k pairs (32 k a step, nothing widened), as
-// linear_mid_m's tiles do from 8 rows on. The AVX2 tiles above, with rows and features counted
-// at run time, ran 2.5-5x their one-row time. Measured (2-core AMD EPYC Zen 4, 2 threads,
-// 2026-11-29), bf16 x and W, us a call, AVX2 tiles -> these: hot weights (`python -m
-// benchmarks.linear_bench --rows 2,4,7`), the small model's 8192 x 256 LM head 255 / 416 / 621
-// -> 68 / 106 / 168 at 2 / 4 / 7 rows (oneDNN 83 / 105 / 131), its 1536 x 256 55 / 85 / 132
-// -> 17 / 21 / 33, the medium model's 5632 x 1024 560 / 1091 / 1595 -> 140 / 188 / 289 (oneDNN
-// 175 / 185 / 258, k-interleaved); fp32 1.1-1.9x. Weights from memory (copies cycled past the
-// caches; /tmp script): 2 rows 1.6-3x faster, 4 rows 1.25-2.5x (medium 5632 x 1024 at 4 rows
-// 949 -> 374 us). One row keeps row_dot, not this tile: from memory the tile tied it, from
-// cache it was mixed; bf16 x with bf16 W takes run_one_row_pairs below. SPINDLE_DISABLE_FEW_ROWS_TILES=1:
-// the AVX2 tiles and row_dot, for side-by-side runs.
+// 2 to 11 or 27 rows on AVX-512 (kMidRows): tiles of up to 8 rows x 3 features (24 accumulators, 3 W
+// vectors and one x of the 32 zmm), R a compile-time constant so that the accumulators stay in
+// registers; the three features' rows of W read side by side over k, so each x vector loaded
+// feeds three products and each W vector up to eight; more rows than 8 in row blocks that
+// re-read the tile's W rows from cache. Two ways to step over k: fp32 lanes (16 k a step; bf16
+// W widened by a shift), or, for bf16 x with bf16 W on a CPU with AVX512-BF16, vdpbf16ps on k
+// pairs (32 k a step, nothing widened), as linear_mid_m's tiles do. What made it: W prefetched
+// into L2 (not L1) kPrefetchBytes ahead. Without that, memory and arithmetic took turns: the
+// previous tile (4 features in turn, 4 rows a pass) read medium 5632 x 1024 at 8 rows at 13-19
+// GB/s from memory against 13 hot on one thread, and this one with an L1 prefetch 512 bytes
+// ahead at 7-13. With the L2 prefetch, 2 threads, copies of W cycled past the caches (2-core AMD
+// EPYC Zen 4, 2026-12-01, /tmp script): 8 rows 619-892 -> 348-388 us (33 GB/s), down_proj's 1024
+// x 2816 543 -> 190-237 us. SPINDLE_DISABLE_FEW_ROWS_TILES=1: the AVX2 tiles and row_dot, for
+// side-by-side runs.
 
 bool few_rows_disabled() {
   static const bool disabled = env_flag("SPINDLE_DISABLE_FEW_ROWS_TILES");
-  return disabled;
-}
-
-// SPINDLE_DISABLE_PAIR_ROWS_TILES=1: 7+ rows take few_rows_tile's two passes (side-by-side runs).
-bool pair_rows_disabled() {
-  static const bool disabled = env_flag("SPINDLE_DISABLE_PAIR_ROWS_TILES");
   return disabled;
 }
 
@@ -232,116 +229,116 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm512_castps512_ps128(_mm512_permutexvar_ps(first_of_block, s));
 }
 
-inline void store4(float* y, __m128 sums) { _mm_storeu_ps(y, sums); }
+constexpr int kTileRows = 8;      // rows of x per register tile (see the top of this section)
+constexpr int kTileFeatures = 3;  // output features per register tile
+constexpr int64_t kPrefetchBytes = 12288;  // how far ahead of the tile W is prefetched into L2
+// Up to this many rows a tile takes one feature: W read as one stream, where the arithmetic is
+// light enough not to need three features' reuse of x (medium model, bf16, --stack, rows 2 / 3:
+// 0.86-0.88 / 0.88-0.90 of the bandwidth against 0.82-0.85 / 0.80-0.84 with three).
+constexpr int64_t kOneFeatureRows = 3;
+
+// Four rows' sums of one feature (y points at the first row's), stored N apart with the bias.
 template <typename Y>
-inline void store4(Y* y, __m128 sums) {
+inline void store_column4(Y* y, int64_t N, __m128 sums, float bias) {
   alignas(16) float s[4];
   _mm_store_ps(s, sums);
-  for (int i = 0; i < 4; ++i) store_sum(y + i, s[i]);
+  for (int i = 0; i < 4; ++i) store_sum(y + i * N, s[i] + bias);
 }
 
-// y[m][f0 .. f0 + 4) for the R rows of x (each K long; y's rows N apart); `w` points at feature f0's row.
-template <int R, typename L, typename X, typename W, typename Y>
-inline void few_rows_tile(const X* x, const W* w, const float* bias, Y* y, int64_t K, int64_t N, int64_t f0) {
-  __m512 acc[R][kFeaturesPerBlock];
-  for (auto& row : acc)
-    for (auto& a : row) a = _mm512_setzero_ps();
-#pragma GCC unroll 4
-  for (int64_t f = 0; f < kFeaturesPerBlock; ++f) {
-    for (int64_t k = 0; k < K; k += L::kStep) {
-      const auto mask = L::mask(K - k);
-      const auto wv = L::load(w + f * K + k, mask);
-      for (int m = 0; m < R; ++m) acc[m][f] = L::fma(acc[m][f], L::load(x + m * K + k, mask), wv);
-    }
-  }
-  const __m128 b = bias != nullptr ? _mm_loadu_ps(bias + f0) : _mm_setzero_ps();
-  // Unrolled, so every accumulator is named by constants: a rolled loop indexing acc[m] made GCC
-  // keep acc in memory and store all of it at every k step (two cycles per 512-bit store).
+// y[m][f0 .. f0 + F) for the R rows of x (each K long; y's rows N apart); `w` points at feature
+// f0's row of W. Every loop over m and f is unrolled so that each accumulator is named by
+// constants: a rolled loop indexing acc[m] made GCC keep acc in memory and store all of it at
+// every k step (two cycles per 512-bit store).
+template <int R, int F, typename L, typename X, typename W, typename Y>
+inline void rows_tile(const X* x, const W* w, const float* bias, Y* y, int64_t K, int64_t N, int64_t f0) {
+  __m512 acc[R][F];
 #pragma GCC unroll 8
   for (int m = 0; m < R; ++m)
-    store4(y + m * N + f0, _mm_add_ps(sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]), b));
-}
-
-// 7 to 11 rows of x (fp32, or bf16 widened first) over fp32 W: y[m][f0 .. f0 + 2) in one pass over the two features' rows
-// of W, read side by side, so each x vector loaded feeds both (R + 2 loads for 2R products a
-// step). The tile above reloads x for every feature and takes 7+ rows in two passes. Measured
-// (2-core AMD EPYC Zen 4, medium 5632 x 1024, 12 copies of W cycled past the caches, /tmp
-// script, three runs each): 7 / 8 / 11 rows 1,915-1,994 / 2,084-2,209 / 2,309-2,446 -> 1,550-1,647
-// / 1,566-1,655 / 1,900-2,054 us. With bf16 W it lost both widened (7 rows 1,261 -> 1,529 us) and
-// on k pairs (8 rows 855-952 -> 1,091-1,122), so those keep the two passes.
-template <int R, typename L, typename X, typename W, typename Y>
-inline void pair_rows_tile(const X* x, const W* w, const float* bias, Y* y, int64_t K, int64_t N, int64_t f0) {
-  __m512 acc[R][2];
-  for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += L::kStep) {
-    const auto mask = L::mask(K - k);
-    const auto w0 = L::load(w + k, mask);
-    const auto w1 = L::load(w + K + k, mask);
-#pragma GCC unroll 12
+#pragma GCC unroll 3
+    for (int f = 0; f < F; ++f) acc[m][f] = _mm512_setzero_ps();
+  const auto step = [&](int64_t k, auto mask) {
+    decltype(L::load(w, mask)) wv[F];
+#pragma GCC unroll 3
+    for (int f = 0; f < F; ++f) wv[f] = L::load(w + f * K + k, mask);
+#pragma GCC unroll 8
     for (int m = 0; m < R; ++m) {
       const auto xv = L::load(x + m * K + k, mask);
-      acc[m][0] = L::fma(acc[m][0], xv, w0);
-      acc[m][1] = L::fma(acc[m][1], xv, w1);
+#pragma GCC unroll 3
+      for (int f = 0; f < F; ++f) acc[m][f] = L::fma(acc[m][f], xv, wv[f]);
     }
-  }
-  const float b0 = bias != nullptr ? bias[f0] : 0.0f, b1 = bias != nullptr ? bias[f0 + 1] : 0.0f;
-#pragma GCC unroll 12
-  for (int m = 0; m < R; ++m) {
-    store_sum(y + m * N + f0, _mm512_reduce_add_ps(acc[m][0]) + b0);
-    store_sum(y + m * N + f0 + 1, _mm512_reduce_add_ps(acc[m][1]) + b1);
-  }
-}
-
-template <int R, typename L, typename X, typename W, typename Y>
-inline void pair_rows_block(const X* x, const W* w, const float* bias, Y* y, int64_t K, int64_t N, int64_t f0) {
-  pair_rows_tile<R, L>(x, w, bias, y, K, N, f0);
-  pair_rows_tile<R, L>(x, w + 2 * K, bias, y, K, N, f0 + 2);
-}
-
-template <typename L, typename X, typename W, typename Y>
-inline void few_rows_block(const X* x, const W* w, const float* bias, Y* y, int64_t M, int64_t K, int64_t N,
-                           int64_t f0) {
-  if constexpr (std::is_same_v<L, Fp32Lanes> && std::is_same_v<W, float>) {
-    if (!pair_rows_disabled()) {
-      switch (M) {
-        case 7: return pair_rows_block<7, L>(x, w, bias, y, K, N, f0);
-        case 8: return pair_rows_block<8, L>(x, w, bias, y, K, N, f0);
-        case 9: return pair_rows_block<9, L>(x, w, bias, y, K, N, f0);
-        case 10: return pair_rows_block<10, L>(x, w, bias, y, K, N, f0);
-        case 11: return pair_rows_block<11, L>(x, w, bias, y, K, N, f0);
-        default: break;
-      }
+  };
+  // Two rows of one feature leave the arithmetic light enough for the hardware prefetcher alone:
+  // prefetching there took 0.86-0.88 of the bandwidth against 0.92-0.99 without (--stack).
+  constexpr bool kPrefetch = R * F > 2;
+  constexpr int64_t kAhead = kPrefetchBytes / sizeof(W);
+  const auto all = L::mask(L::kStep);
+  int64_t k = 0;
+  for (; k + L::kStep <= K; k += L::kStep) {
+    if constexpr (kPrefetch) {
+#pragma GCC unroll 3
+      for (int f = 0; f < F; ++f) _mm_prefetch(reinterpret_cast<const char*>(w + f * K + k + kAhead), _MM_HINT_T1);
     }
+    step(k, all);
   }
-  switch (M) {
-    case 2: return few_rows_tile<2, L>(x, w, bias, y, K, N, f0);
-    case 3: return few_rows_tile<3, L>(x, w, bias, y, K, N, f0);
-    case 4: return few_rows_tile<4, L>(x, w, bias, y, K, N, f0);
-    case 5: return few_rows_tile<5, L>(x, w, bias, y, K, N, f0);
-    case 6: return few_rows_tile<6, L>(x, w, bias, y, K, N, f0);
-    default:  // 7 rows and up (no more than 6 x 4 accumulators fit): 4, then the rest
-      few_rows_tile<4, L>(x, w, bias, y, K, N, f0);
-      few_rows_block<L>(x + 4 * K, w, bias, y + 4 * N, M - 4, K, N, f0);
+  if (k < K) step(k, L::mask(K - k));
+#pragma GCC unroll 3
+  for (int f = 0; f < F; ++f) {
+    const float b = bias != nullptr ? bias[f0 + f] : 0.0f;
+    int m = 0;
+#pragma GCC unroll 2
+    for (; m + 4 <= R; m += 4)
+      store_column4(y + m * N + f0 + f, N, sum4(acc[m][f], acc[m + 1][f], acc[m + 2][f], acc[m + 3][f]), b);
+#pragma GCC unroll 3
+    for (; m < R; ++m) store_sum(y + m * N + f0 + f, _mm512_reduce_add_ps(acc[m][f]) + b);
   }
 }
 
-// Features in blocks of 4 split across the threads; the last N % 4 (no benchmark model has any) one at a time.
+// Rows [m0, m0 + rows) of x against F features (rows <= kTileRows).
+template <int F, typename L, typename X, typename W, typename Y>
+inline void rows_block(const X* x, const W* w, const float* bias, Y* y, int64_t rows, int64_t K, int64_t N,
+                       int64_t f0) {
+  switch (rows) {
+    case 1: return rows_tile<1, F, L>(x, w, bias, y, K, N, f0);
+    case 2: return rows_tile<2, F, L>(x, w, bias, y, K, N, f0);
+    case 3: return rows_tile<3, F, L>(x, w, bias, y, K, N, f0);
+    case 4: return rows_tile<4, F, L>(x, w, bias, y, K, N, f0);
+    case 5: return rows_tile<5, F, L>(x, w, bias, y, K, N, f0);
+    case 6: return rows_tile<6, F, L>(x, w, bias, y, K, N, f0);
+    case 7: return rows_tile<7, F, L>(x, w, bias, y, K, N, f0);
+    default: return rows_tile<8, F, L>(x, w, bias, y, K, N, f0);
+  }
+}
+
+// All M rows against F features: in as few row blocks as fit kTileRows, of even sizes (10 rows:
+// 5 + 5, not 8 + 2, whose 2-row tile would leave the arithmetic units waiting on the loads).
+template <int F, typename L, typename X, typename W, typename Y>
+inline void feature_rows(const X* x, const W* w, const float* bias, Y* y, int64_t M, int64_t K, int64_t N,
+                         int64_t f0) {
+  const int64_t blocks = (M + kTileRows - 1) / kTileRows;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t m0 = b * M / blocks, m1 = (b + 1) * M / blocks;
+    rows_block<F, L>(x + m0 * K, w, bias, y + m0 * N, m1 - m0, K, N, f0);
+  }
+}
+
+// Features in blocks of kTileFeatures (one at a time up to kOneFeatureRows rows) split across the
+// threads; the last N % 3 one at a time.
 template <typename L, typename X, typename W, typename Y>
 void run_few_rows(const X* x, const W* w, const float* bias, Y* y, int64_t M, int64_t N, int64_t K) {
-  const int64_t num_blocks = N / kFeaturesPerBlock;
+  if (M <= kOneFeatureRows) {
+    spindle::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t f = begin; f < end; ++f) feature_rows<1, L>(x, w + f * K, bias, y, M, K, N, f);
+    });
+    return;
+  }
+  const int64_t num_blocks = N / kTileFeatures;
   spindle::parallel_for(0, num_blocks, 16, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t f0 = b * kFeaturesPerBlock;
-      few_rows_block<L>(x, w + f0 * K, bias, y, M, K, N, f0);
+      const int64_t f0 = b * kTileFeatures;
+      feature_rows<kTileFeatures, L>(x, w + f0 * K, bias, y, M, K, N, f0);
     }
   });
-  for (int64_t f = num_blocks * kFeaturesPerBlock; f < N; ++f) {  // N % 4 features, each alone
-    for (int64_t m = 0; m < M; ++m) {
-      float sum = bias != nullptr ? bias[f] : 0.0f;
-      for (int64_t k = 0; k < K; ++k) sum += to_float(x[m * K + k]) * to_float(w[f * K + k]);
-      store_sum(y + m * N + f, sum);
-    }
-  }
+  for (int64_t f = num_blocks * kTileFeatures; f < N; ++f) feature_rows<1, L>(x, w + f * K, bias, y, M, K, N, f);
 }
 #endif
 
@@ -386,7 +383,7 @@ const float* float_rows(const at::Tensor& x) {
   return widened.data();
 }
 
-// 2 to kMidRows - 1 rows on the few-rows tiles, and one row of bf16 x with bf16 W on k pairs, where this
+// From 2 rows to where linear_mid_m takes over (kMidRows) on the few-rows tiles, and one row of bf16 x with bf16 W on k pairs, where this
 // build has them; false: the caller runs run().
 template <typename Y>
 bool few_rows(const at::Tensor& x, const at::Tensor& w, const float* bias, Y* y, int64_t M, int64_t N, int64_t K) {
@@ -450,7 +447,7 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c
     b = bc.data_ptr<float>();
   }
   const bool w_is_bf16 = wc.scalar_type() == at::kBFloat16;
-  if (M >= kMidRows && mid_m_available()) {
+  if (M >= (K >= kLongRow ? kMidRowsLongRows : kMidRows) && mid_m_available()) {
     linear_mid_m(xc.data_ptr(), x_is_bf16, wc.data_ptr(), w_is_bf16, b, y.data_ptr(), out, M, N, K);
     return y;
   }
