@@ -12,8 +12,15 @@ from shared.tls import TlsFiles
 DEFAULT_LISTEN = "0.0.0.0:50052"
 DEFAULT_WORKER_ADDRS = "127.0.0.1:50061"
 # The smallest step-0 budget while requests decode: a few decoding streams still let a prompt
-# through in a handful of chunks instead of a few tokens per step.
-MIN_STEP_TOKENS_WHILE_DECODING = 64
+# through in a handful of chunks instead of a few tokens per step. 32, not 64, since the few-rows
+# linear tiles made a decode step of 4-8 streams cheap (medium bf16, 8 streams: ~10 ms) beside a
+# 64-token chunk (~40 ms): served, 24 requests of 128 + 128 tokens, two interleaved pairs
+# (`python -m benchmarks.run --models medium --concurrency 4,8 --configs spindle --num-requests
+# 24 --scheduler-steps 8 --spindle-arg=--dtype --spindle-arg=bfloat16`), ITL p99 / p50 at 4
+# streams 3.41 / 3.85 -> 2.19 / 2.60, at 8 streams 4.41 / 4.03 -> 2.70 / 2.45, TTFT p50 at 8
+# streams 423-482 -> 343-375 ms, output tok/s 501 / 574 -> 490 / 518 (4 streams 282 / 324 ->
+# 307 / 345); the small model at 4-16 streams (48 requests) the same or better on each.
+MIN_STEP_TOKENS_WHILE_DECODING = 32
 
 
 @dataclass(frozen=True, slots=True)

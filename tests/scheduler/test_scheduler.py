@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from services.scheduler.config import SchedulerConfig
+from services.scheduler.config import MIN_STEP_TOKENS_WHILE_DECODING, SchedulerConfig
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.updates import RequestUpdate, UpdateSink
@@ -242,13 +242,14 @@ def test_without_the_cap_a_burst_fills_the_step_budget() -> None:
     assert sum(sched.schedule()[0].num_scheduled_tokens) == 2048
 
 
-def test_few_decoding_streams_still_let_a_prompt_through_in_chunks_of_64() -> None:
+def test_few_decoding_streams_still_let_a_prompt_through_in_chunks_of_the_floor() -> None:
     sched, [worker] = _make(num_blocks=1024, max_num_batched_tokens=2048, max_step_tokens_per_decode=3)
     sink = UpdateSink()
     sched.add_request(_req("early", [5, 6, 7, 8], max_tokens=100), sink)
     _run_all(sched, worker, sink, sched.schedule()[0])
     sched.add_request(_req("long", list(range(4, 204)), max_tokens=4), sink)
-    assert sched.schedule()[0].num_scheduled_tokens == [63, 1], "2 streams: the 64-token floor, the decode included"
+    floor = MIN_STEP_TOKENS_WHILE_DECODING
+    assert sched.schedule()[0].num_scheduled_tokens == [floor - 1, 1], "2 streams: the floor, the decode included"
 
 
 def test_multi_step_round_admits_whole_prefills_and_shrinks_for_chunks() -> None:
