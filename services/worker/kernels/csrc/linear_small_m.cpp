@@ -46,6 +46,11 @@ namespace {
 
 constexpr int64_t kRowsPerBlock = 3;      // rows of x per register tile (see above)
 constexpr int64_t kFeaturesPerBlock = 4;  // output features per register tile
+// How far ahead of a tile W is prefetched into L2 (the AVX-512 few-rows tiles below say why). On
+// the AVX2 tile (an x86-64-v3 build on a 2-core AMD EPYC Zen 4, fp32, --stack, two runs) 3 / 4
+// / 8 rows took 13.9-14.0 / 16.1-16.2 / 21.8-21.9 ms -> 11.0-11.9 / 14.2-14.4 / 19.7; not
+// measured on an AVX2-only CPU.
+constexpr int64_t kPrefetchBytes = 12288;
 // From this many rows on, CPUs with AVX-512 run linear_mid_m.cpp's kernel (its tiles are 16 rows
 // wide, and it broadcasts W a pair at a time: two loads for every two products at 16 rows), or,
 // for rows of at least kLongRow values, from kMidRowsLongRows on. On such rows the few-rows tiles
@@ -85,8 +90,12 @@ inline void tile(const float* x, const W* w, const float* bias, Y* y, int64_t K,
   __m256 v[kRowsPerBlock][kFeaturesPerBlock];
   for (auto& row : v)
     for (auto& a : row) a = _mm256_setzero_ps();
+  const bool prefetch = m0 == 0;  // later row blocks read these rows of W from cache
   if (nm == kRowsPerBlock && nf == kFeaturesPerBlock) {
     for (; k + 8 <= K; k += 8) {
+      if (prefetch)
+        for (int64_t f = 0; f < kFeaturesPerBlock; ++f)
+          _mm_prefetch(reinterpret_cast<const char*>(w + f * K + k) + kPrefetchBytes, _MM_HINT_T1);
       __m256 wv[kFeaturesPerBlock];
       for (int64_t f = 0; f < kFeaturesPerBlock; ++f) wv[f] = load8(w + f * K + k);
       for (int64_t m = 0; m < kRowsPerBlock; ++m) {
@@ -231,7 +240,6 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 
 constexpr int kTileRows = 8;      // rows of x per register tile (see the top of this section)
 constexpr int kTileFeatures = 3;  // output features per register tile
-constexpr int64_t kPrefetchBytes = 12288;  // how far ahead of the tile W is prefetched into L2
 // Up to this many rows a tile takes one feature: W read as one stream, where the arithmetic is
 // light enough not to need three features' reuse of x (medium model, bf16, --stack, rows 2 / 3:
 // 0.86-0.88 / 0.88-0.90 of the bandwidth against 0.82-0.85 / 0.80-0.84 with three).
