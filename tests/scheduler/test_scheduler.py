@@ -252,6 +252,20 @@ def test_few_decoding_streams_still_let_a_prompt_through_in_chunks_of_the_floor(
     assert sched.schedule()[0].num_scheduled_tokens == [floor - 1, 1], "2 streams: the floor, the decode included"
 
 
+def test_a_dozen_decoding_streams_let_three_tokens_each_through_above_the_floor() -> None:
+    """12 streams (11 decoding, 1 waiting): 3 x 12 = 36 tokens a step, over the 32-token floor and
+    under the 64 it was (an 8-stream decode step is now cheap beside a 64-token chunk)."""
+    sched, [worker] = _make(num_blocks=1024, max_num_batched_tokens=2048, max_step_tokens_per_decode=3)
+    sink = UpdateSink()
+    for i in range(11):
+        sched.add_request(_req(f"early{i}", [5, 6, 7, 8], max_tokens=100), sink)
+    _run_all(sched, worker, sink, sched.schedule()[0])
+    sched.add_request(_req("long", list(range(4, 204)), max_tokens=4), sink)
+    step = sched.schedule()[0]
+    assert sum(step.num_scheduled_tokens) == 36 > MIN_STEP_TOKENS_WHILE_DECODING
+    assert sorted(step.num_scheduled_tokens) == [1] * 11 + [25], "each decode its token, the prompt the rest"
+
+
 def test_multi_step_round_admits_whole_prefills_and_shrinks_for_chunks() -> None:
     sched, [worker] = _make(num_scheduler_steps=8, max_num_batched_tokens=16)
     sink = UpdateSink()

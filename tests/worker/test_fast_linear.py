@@ -38,10 +38,11 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels")
                           # a tile up to 3 rows, features past the last block of 3, K not a
                           # multiple of 16
                           (2, 130, 75), (5, 103, 40), (6, 64, 300), (11, 37, 40), (8, 20, 33),
-                          (9, 8, 1024), (10, 14, 16), (17, 40, 600), (27, 31, 520),
+                          (9, 8, 1024), (10, 14, 16), (17, 40, 600), (27, 31, 520), (12, 40, 512),
+                          (16, 41, 512), (5, 2, 40), (6, 1, 33),
                           # the AVX-512 kernel's edges (linear_mid_m.cpp): partial row groups and
                           # tiles, features past a 96-wide block, K not a multiple of 16
-                          (12, 97, 19), (17, 200, 75), (28, 50, 520), (64, 385, 300), (65, 100, 33),
+                          (12, 97, 19), (12, 40, 511), (17, 200, 75), (28, 50, 520), (64, 385, 300), (65, 100, 33),
                           (130, 50, 16)])
 def test_kernel_equals_f_linear(rows: int, out_features: int, in_features: int, weight_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
@@ -57,7 +58,8 @@ def test_kernel_equals_f_linear(rows: int, out_features: int, in_features: int, 
 @pytest.mark.parametrize(("rows", "out_features", "in_features"),
                          [(8, 97, 19), (12, 97, 19), (16, 96, 256), (17, 200, 75), (64, 385, 300), (65, 100, 33),
                           (130, 50, 16), (64, 24, 1), (2, 97, 19), (3, 8, 1), (4, 130, 75), (6, 64, 33), (7, 41, 300),
-                          (10, 9, 70), (20, 41, 601), (27, 41, 520), (28, 97, 520)])
+                          (10, 9, 70), (20, 41, 601), (27, 41, 520), (28, 97, 520), (2, 97, 75), (3, 41, 601),
+                          (8, 97, 75), (16, 41, 520), (24, 40, 512), (12, 40, 512), (12, 40, 511), (5, 2, 40)])
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
 def test_bf16_activations_and_weights_match_a_float64_reference(rows: int, out_features: int, in_features: int,
                                                                  weight_dtype: torch.dtype) -> None:

@@ -234,9 +234,10 @@ def rows_within(times: ProbeTimes, allowance_s: float = 0.0) -> int:
 def kernel_row_table(times: ProbeTimes) -> bytes:
     """Per row count from 0 to the last probe's, 1 where the kernel runs: at a probe's row count
     where it beat the GEMM there, and between two probes where it beat it at both (between
-    probes both times grow in steps, not in a line, and from 12 rows on the kernel's tiles are
-    16 rows wide: a win at each end is the evidence for the counts between). Empty where the
-    bands are switched off."""
+    probes both times grow in steps, not in a line: the kernel's tiles are 8 rows tall up to 11
+    rows, or 27 on rows of 512+ values, and 16 rows wide from there (linear_small_m.cpp's
+    kMidRows), so the 16 and 32 probes may time different tiles; a win at each end is the
+    evidence for the counts between). Empty where the bands are switched off."""
     if switch_on(DISABLE_BANDS_ENV):
         return b""
     table = bytearray(PROBE_ROWS[-1] + 1)

@@ -80,17 +80,17 @@ inline float hsum(__m256 v) {
 #endif
 
 // y[m][f0 + f] (+ bias) for rows [m0, m0 + nm) and features f < nf (nm <= 3, nf <= 4); `w`
-// points at feature f0's row of W.
+// points at feature f0's row of W, which `from_memory` says is streamed (not a widened copy in cache).
 template <typename W, typename Y>
 inline void tile(const float* x, const W* w, const float* bias, Y* y, int64_t K, int64_t N, int64_t m0, int64_t nm,
-                 int64_t f0, int64_t nf) {
+                 int64_t f0, int64_t nf, bool from_memory) {
   int64_t k = 0;
   float acc[kRowsPerBlock][kFeaturesPerBlock] = {};
 #ifdef __AVX2__
   __m256 v[kRowsPerBlock][kFeaturesPerBlock];
   for (auto& row : v)
     for (auto& a : row) a = _mm256_setzero_ps();
-  const bool prefetch = m0 == 0;  // later row blocks read these rows of W from cache
+  const bool prefetch = from_memory && m0 == 0;  // later row blocks read these rows of W from cache
   if (nm == kRowsPerBlock && nf == kFeaturesPerBlock) {
     for (; k + 8 <= K; k += 8) {
       if (prefetch)
@@ -144,7 +144,7 @@ inline float row_dot(const float* x, const W* w, int64_t K) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SPINDLE_FEW_ROWS_TILES 1
-// 2 to 11 or 27 rows on AVX-512 (kMidRows): tiles of up to 8 rows x 3 features (24 accumulators, 3 W
+// 2 to 11 rows on AVX-512, or 27 on rows of kLongRow+ values (kMidRows, kMidRowsLongRows): tiles of up to 8 rows x 3 features (24 accumulators, 3 W
 // vectors and one x of the 32 zmm), R a compile-time constant so that the accumulators stay in
 // registers; the three features' rows of W read side by side over k, so each x vector loaded
 // feeds three products and each W vector up to eight; more rows than 8 in row blocks that
@@ -371,12 +371,12 @@ void run(const float* x, const W* w, const float* bias, Y* y, int64_t M, int64_t
         if (widen_once) {
           widen_row(w + f0 * K, scratch.data(), nf * K);
           for (int64_t m0 = 0; m0 < M; m0 += kRowsPerBlock)
-            tile(x, scratch.data(), bias, y, K, N, m0, std::min(kRowsPerBlock, M - m0), f0, nf);
+            tile(x, scratch.data(), bias, y, K, N, m0, std::min(kRowsPerBlock, M - m0), f0, nf, false);
         }
       }
       if (!widen_once)
         for (int64_t m0 = 0; m0 < M; m0 += kRowsPerBlock)
-          tile(x, w + f0 * K, bias, y, K, N, m0, std::min(kRowsPerBlock, M - m0), f0, nf);
+          tile(x, w + f0 * K, bias, y, K, N, m0, std::min(kRowsPerBlock, M - m0), f0, nf, true);
     }
   });
 }
@@ -391,7 +391,7 @@ const float* float_rows(const at::Tensor& x) {
   return widened.data();
 }
 
-// From 2 rows to where linear_mid_m takes over (kMidRows) on the few-rows tiles, and one row of bf16 x with bf16 W on k pairs, where this
+// From 2 rows to where linear_mid_m takes over (kMidRows, kMidRowsLongRows) on the few-rows tiles, and one row of bf16 x with bf16 W on k pairs, where this
 // build has them; false: the caller runs run().
 template <typename Y>
 bool few_rows(const at::Tensor& x, const at::Tensor& w, const float* bias, Y* y, int64_t M, int64_t N, int64_t K) {
