@@ -144,9 +144,9 @@ inline float row_dot(const float* x, const W* w, int64_t K) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SPINDLE_FEW_ROWS_TILES 1
-// 2 to 11 rows on AVX-512, or 27 on rows of kLongRow+ values (kMidRows, kMidRowsLongRows): tiles of up to 8 rows x 3 features (24 accumulators, 3 W
-// vectors and one x of the 32 zmm), R a compile-time constant so that the accumulators stay in
-// registers; the three features' rows of W read side by side over k, so each x vector loaded
+// 2 to 11 rows on AVX-512, or to 27 on rows of kLongRow+ values (kMidRows, kMidRowsLongRows):
+// tiles of up to 8 rows x 3 features (24 accumulators, 3 W vectors and one x of the 32 zmm), R
+// a compile-time constant so that the accumulators stay in registers; the three features' rows of W read side by side over k, so each x vector loaded
 // feeds three products and each W vector up to eight; more rows than 8 in row blocks that
 // re-read the tile's W rows from cache. Two ways to step over k: fp32 lanes (16 k a step; bf16
 // W widened by a shift), or, for bf16 x with bf16 W on a CPU with AVX512-BF16, vdpbf16ps on k
@@ -391,8 +391,9 @@ const float* float_rows(const at::Tensor& x) {
   return widened.data();
 }
 
-// From 2 rows to where linear_mid_m takes over (kMidRows, kMidRowsLongRows) on the few-rows tiles, and one row of bf16 x with bf16 W on k pairs, where this
-// build has them; false: the caller runs run().
+// From 2 rows to where linear_mid_m takes over (kMidRows, kMidRowsLongRows) on the few-rows
+// tiles, and one row of bf16 x with bf16 W on k pairs, where this build has them; false: the
+// caller runs run().
 template <typename Y>
 bool few_rows(const at::Tensor& x, const at::Tensor& w, const float* bias, Y* y, int64_t M, int64_t N, int64_t K) {
 #ifdef SPINDLE_FEW_ROWS_TILES
