@@ -109,3 +109,80 @@ def test_bf16_inputs_hand_a_bf16_result_on_unwidened_with_the_same_values() -> N
     with torch.inference_mode():
         assert torch.equal(down.onednn._rounded_bias(down.bias), down.bias.to(torch.bfloat16))
         torch.testing.assert_close(down(half), before + 1.0, atol=2e-2, rtol=0)  # within bf16's rounding
+
+
+def test_row_buckets_bound_the_gemm_sizes() -> None:
+    """Every row count maps to a bucket at least as large, one step at most above it; few buckets in all."""
+    from services.worker.models.prepacked_linear import bucket_rows
+
+    assert [bucket_rows(r) for r in (0, 1, 5, 8, 9, 16, 17, 256, 257, 1024, 1025, 4096, 4097, 8192)] == [
+        0, 1, 5, 8, 16, 16, 24, 256, 288, 1024, 1152, 4096, 4608, 8192]
+    buckets = [bucket_rows(r) for r in range(1, 8193)]
+    assert all(r <= b for r, b in zip(range(1, 8193), buckets, strict=True))
+    assert buckets == sorted(buckets)
+    assert len(set(buckets)) <= 100  # within oneDNN's cache of 1,024 GEMMs, a few weights over
+
+
+@needs_onednn
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_gemm_runs_at_bucketed_rows_and_returns_the_real_ones(
+        monkeypatch: pytest.MonkeyPatch, gelu: bool, bf16: bool) -> None:
+    """Rows zero-padded to their bucket, the real rows' results as without the padding: the same
+    values as F.linear (bf16: as at the unpadded size), contiguous, shaped as the input."""
+    import services.worker.models.prepacked_linear as pl
+
+    layer = PrepackedLinear(48, 80, gelu=gelu)
+    if bf16:
+        use_bf16_inputs(nn.Sequential(layer))
+    with torch.inference_mode():
+        layer(torch.randn(2, 48))  # packs the weight (its probe is a GEMM too)
+    seen: list[int] = []
+    real = pl._packed_linear
+
+    def recording(x: torch.Tensor, *args: object) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(pl, "_packed_linear", recording)
+    torch.manual_seed(1)
+    for shape in [(9, 48), (130, 48), (3, 100, 48), (300, 48)]:
+        x = torch.randn(*shape)
+        seen.clear()
+        with torch.inference_mode():
+            out = layer(x)
+            monkeypatch.setattr(pl, "ROW_BUCKETS_ON", False)
+            unpadded = layer(x)
+            monkeypatch.setattr(pl, "ROW_BUCKETS_ON", True)
+        rows = x.numel() // 48
+        assert seen == [pl.bucket_rows(rows), rows]  # padded, then (switched off) as it is
+        assert out.shape == (*shape[:-1], 80) and out.is_contiguous()
+        torch.testing.assert_close(out, unpadded, atol=2e-2 if bf16 else 1e-5, rtol=1e-2 if bf16 else 1e-5)
+        reference = F.linear(x, layer.weight, layer.bias)
+        reference = F.gelu(reference) if gelu else reference
+        tol = 5e-2 if bf16 else 1e-5
+        torch.testing.assert_close(out, reference, atol=tol, rtol=tol)
+
+
+@needs_onednn
+def test_build_gemms_runs_each_distinct_layer_at_every_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers alike (shape, GELU, bf16 inputs, bias) share oneDNN's GEMMs: one is run per bucket."""
+    import services.worker.models.prepacked_linear as pl
+
+    model = nn.Sequential(PrepackedLinear(48, 80), PrepackedLinear(48, 80), PrepackedLinear(80, 48, gelu=True))
+    with torch.inference_mode():
+        model[0](torch.randn(2, 48))  # packed already: their probes are not counted
+        model[2](torch.randn(2, 80))
+    seen: list[tuple[int, int]] = []
+    real = pl._packed_linear
+
+    def recording(x: torch.Tensor, packed: torch.Tensor, *args: object) -> torch.Tensor:
+        seen.append((x.shape[0], x.shape[1]))
+        return real(x, packed, *args)
+
+    monkeypatch.setattr(pl, "_packed_linear", recording)
+    num_gemms, seconds = pl.build_gemms(model, 20, torch.float32)
+    sizes = [*range(1, 9), 16, 24]
+    assert num_gemms == 2 * len(sizes) and seconds >= 0
+    assert sorted(r for r, k in seen if k == 48) == sizes  # the two alike layers: once per bucket
+    assert sorted(r for r, k in seen if k == 80) == sizes

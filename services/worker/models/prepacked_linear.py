@@ -32,6 +32,19 @@ is rounded once, not every call: bit-identical vectors, the worker's round 15.00
 one 116-token sentence and 352.0 -> 335.2 ms for 32 of 12-250 tokens (2-core AMD Zen 4, old and
 new called in turn in one process, 2026-11-30).
 
+oneDNN builds (JIT-compiles) a GEMM for each row count it is given and keeps the last 1,024 in
+a cache, and each one holds 0.5-2.4 MB (more rows, more). Rows vary with every round (an embedding
+request is its sentence's tokens, a decoder's prefill step its chunk plus its decodes), so left
+alone a worker built a GEMM for most calls of a new size (0.6-1.6 ms for MiniLM's shapes at 20-240
+rows, a forward pass's first layer 1.5-2.2x its others) and its memory grew by up to the cache's
+1,024 of them: +650 MB for MiniLM's four shapes at 1-256 rows, 1-2.5 GB for a decoder's
+prefill sizes (2-core AMD Zen 4, /tmp scripts, 2026-12-01). So rows are rounded up to a bucket
+(`bucket_rows`: as they are up to 8, then multiples of 8 up to 256, of 32 up to 1,024, of 128 up
+to 4,096 and of 512 beyond; half a step on average, ~1.5-3 % of the rows from 128 rows on) and
+the GEMM runs on zero-padded rows, of which only the real ones are returned: about 90 sizes per
+weight over 1-8,192 rows, all of them cached.
+SPINDLE_DISABLE_ONEDNN_ROW_BUCKETS=1 passes every row count as it is.
+
 `PrepackedLinear(..., gelu=True)` returns exact (erf) GELU of the projection, applied by oneDNN
 as a post-op on each output tile while it is in cache: at BERT's MLP shape (7,600 rows, 384 ->
 1,536) the GEMM took 69-71 ms, with `F.gelu` after it 89-90 ms, fused 81-82 ms (2-core AMD EPYC;
@@ -41,15 +54,29 @@ max difference from `F.gelu` 4e-6).
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.switches import switch_on
+
 logger = logging.getLogger(__name__)
 
 PACK_ROWS_HINT = 2048  # rows oneDNN tunes the layout for (the default round budget); any row count runs
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)  # weights, and activations, a packed copy serves
+# (rows up to this, rounded up to a multiple of this); beyond the last, multiples of LAST_ROW_STEP.
+ROW_BUCKETS = ((8, 1), (256, 8), (1024, 32), (4096, 128))
+LAST_ROW_STEP = 512
+ROW_BUCKETS_ON = not switch_on("SPINDLE_DISABLE_ONEDNN_ROW_BUCKETS")
+
+
+def bucket_rows(rows: int) -> int:
+    """The row count a GEMM of `rows` rows runs at: `rows` rounded up to its bucket's step (module
+    docstring: one oneDNN GEMM is built and cached per row count)."""
+    step = next((step for limit, step in ROW_BUCKETS if rows <= limit), LAST_ROW_STEP)
+    return -(-rows // step) * step
 
 
 def _reorder(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -83,6 +110,19 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     """oneDNN's GEMM on the packed weight; `gelu`: exact (erf, oneDNN's algorithm "none") GELU fused as a post-op."""
     attr, algorithm = ("gelu", "none") if gelu else ("none", "")
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, attr, [], algorithm)
+
+
+def _bucketed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                     gelu: bool = False) -> torch.Tensor:
+    """`_packed_linear` of a 2-D `x`, run at `bucket_rows` rows (zero rows appended), real rows returned."""
+    rows = x.shape[0]
+    padded = bucket_rows(rows) if ROW_BUCKETS_ON else rows
+    if padded == rows:
+        return _packed_linear(x, packed, bias, gelu)
+    xp = x.new_empty(padded, x.shape[1])
+    xp[:rows] = x
+    xp[rows:] = 0
+    return _packed_linear(xp, packed, bias, gelu)[:rows]
 
 
 class OneDnnWeight:
@@ -121,9 +161,9 @@ class OneDnnWeight:
             y = F.linear(x, weight.to(x.dtype), bias)  # the cast is a no-op unless the weight is stored narrower
             y = F.gelu(y) if gelu else y
         elif x.dim() == 2:
-            y = _packed_linear(x, packed, bias, gelu)
+            y = _bucketed_linear(x, packed, bias, gelu)
         else:
-            y = _packed_linear(x.reshape(-1, x.shape[-1]), packed, bias, gelu).view(*x.shape[:-1], weight.shape[0])
+            y = _bucketed_linear(x.reshape(-1, x.shape[-1]), packed, bias, gelu).view(*x.shape[:-1], weight.shape[0])
         return y.float() if narrow and widen else y
 
     def _rounded_bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -156,6 +196,23 @@ class PrepackedLinear(nn.Linear):
         """`widen=False`: under `bf16_inputs`, the bfloat16 result as it is, for a next step that would
         round it again or widens it itself (otherwise the activations' dtype, as always)."""
         return self.onednn.linear(x, self.weight, self.bias, self.gelu, self.bf16_inputs, widen)
+
+
+def build_gemms(model: nn.Module, max_rows: int, dtype: torch.dtype) -> tuple[int, float]:
+    """Has oneDNN build (and cache) the GEMM of every row bucket up to `max_rows` for each distinct
+    PrepackedLinear of `model`, on `dtype` inputs (the activations'), so that no request waits for
+    one (module docstring). Call after the weights are loaded. Returns (GEMMs run, seconds)."""
+    start = time.perf_counter()
+    distinct: dict[tuple[int, int, bool, bool, bool], PrepackedLinear] = {}
+    for m in model.modules():
+        if isinstance(m, PrepackedLinear) and m.weight.device.type == "cpu":
+            distinct.setdefault((m.in_features, m.out_features, m.gelu, m.bf16_inputs, m.bias is None), m)
+    sizes = sorted({bucket_rows(rows) for rows in range(1, max_rows + 1)})
+    with torch.inference_mode():
+        for layer in distinct.values():
+            for rows in sizes:
+                layer(torch.zeros(rows, layer.in_features, dtype=dtype))
+    return len(distinct) * len(sizes), time.perf_counter() - start
 
 
 def use_bf16_inputs(model: nn.Module) -> int:
