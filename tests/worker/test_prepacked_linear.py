@@ -166,23 +166,54 @@ def test_gemm_runs_at_bucketed_rows_and_returns_the_real_ones(
 
 @needs_onednn
 def test_build_gemms_runs_each_distinct_layer_at_every_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Layers alike (shape, GELU, bf16 inputs, bias) share oneDNN's GEMMs: one is run per bucket."""
+    """Layers alike (shape, GELU, bf16 inputs, bias) share oneDNN's GEMMs: one is run per bucket,
+    through the layer's own forward (a bf16-input layer's GEMM on bf16 rows, as in a forward pass)."""
     import services.worker.models.prepacked_linear as pl
 
     model = nn.Sequential(PrepackedLinear(48, 80), PrepackedLinear(48, 80), PrepackedLinear(80, 48, gelu=True))
+    use_bf16_inputs(model[2])
     with torch.inference_mode():
         model[0](torch.randn(2, 48))  # packed already: their probes are not counted
         model[2](torch.randn(2, 80))
-    seen: list[tuple[int, int]] = []
+    seen: list[tuple[int, int, torch.dtype]] = []
     real = pl._packed_linear
 
     def recording(x: torch.Tensor, packed: torch.Tensor, *args: object) -> torch.Tensor:
-        seen.append((x.shape[0], x.shape[1]))
+        seen.append((x.shape[0], x.shape[1], x.dtype))
         return real(x, packed, *args)
 
     monkeypatch.setattr(pl, "_packed_linear", recording)
     num_gemms, seconds = pl.build_gemms(model, 20, torch.float32)
     sizes = [*range(1, 9), 16, 24]
     assert num_gemms == 2 * len(sizes) and seconds >= 0
-    assert sorted(r for r, k in seen if k == 48) == sizes  # the two alike layers: once per bucket
-    assert sorted(r for r, k in seen if k == 80) == sizes
+    assert sorted(r for r, k, _ in seen if k == 48) == sizes  # the two alike layers: once per bucket
+    assert sorted(r for r, k, _ in seen if k == 80) == sizes
+    assert {d for _, k, d in seen if k == 80} == {torch.bfloat16}  # rounded, as the forward rounds it
+    assert {d for _, k, d in seen if k == 48} == {torch.float32}
+    seen.clear()
+    assert pl.build_gemms(model, 10_000, torch.float32)[0] == 2 * len({pl.bucket_rows(r) for r in range(1, 513)})
+    assert max(r for r, _, _ in seen) == pl.BUILD_MAX_ROWS  # capped: a long-context model starts in time
+    assert pl.build_gemms(model, 20, torch.float16) == (0, 0.0)  # no packed copy for these inputs: nothing
+    monkeypatch.setattr(pl, "ROW_BUCKETS_ON", False)
+    assert pl.build_gemms(model, 20, torch.float32) == (0, 0.0)
+
+
+@needs_onednn
+def test_bucketed_bf16_result_handed_on_unwidened() -> None:
+    """`widen=False` under bf16 inputs at a padded row count: the real rows' bf16 result, which the
+    next layer takes as it is, the same values as at the unpadded size."""
+    import services.worker.models.prepacked_linear as pl
+
+    up, down = PrepackedLinear(48, 80, gelu=True), PrepackedLinear(80, 48)
+    use_bf16_inputs(nn.Sequential(up, down))
+    x = torch.randn(13, 48)
+    with torch.inference_mode():
+        half = up(x, widen=False)
+        out = down(half)
+        pl.ROW_BUCKETS_ON = False
+        try:
+            expected = down(up(x, widen=False))
+        finally:
+            pl.ROW_BUCKETS_ON = True
+    assert half.dtype == torch.bfloat16 and half.shape == (13, 80)
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=1e-2)

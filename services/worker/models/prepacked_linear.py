@@ -40,9 +40,9 @@ rows, a forward pass's first layer 1.5-2.2x its others) and its memory grew by u
 1,024 of them: +650 MB for MiniLM's four shapes at 1-256 rows, 1-2.5 GB for a decoder's
 prefill sizes (2-core AMD Zen 4, /tmp scripts, 2026-12-01). So rows are rounded up to a bucket
 (`bucket_rows`: as they are up to 8, then multiples of 8 up to 256, of 32 up to 1,024, of 128 up
-to 4,096 and of 512 beyond; half a step on average, ~1.5-3 % of the rows from 128 rows on) and
-the GEMM runs on zero-padded rows, of which only the real ones are returned: about 90 sizes per
-weight over 1-8,192 rows, all of them cached.
+to 4,096 and of 512 beyond; half a step on average, at most one: 12.5 % just past 256, 1,024 and
+4,096 rows) and the GEMM runs on zero-padded rows, of which only the real ones are returned: 95
+sizes per weight over 1-8,192 rows, all of them cached.
 SPINDLE_DISABLE_ONEDNN_ROW_BUCKETS=1 passes every row count as it is.
 
 `PrepackedLinear(..., gelu=True)` returns exact (erf) GELU of the projection, applied by oneDNN
@@ -70,6 +70,7 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)  # weights, and activations, a
 ROW_BUCKETS = ((8, 1), (256, 8), (1024, 32), (4096, 128))
 LAST_ROW_STEP = 512
 ROW_BUCKETS_ON = not switch_on("SPINDLE_DISABLE_ONEDNN_ROW_BUCKETS")
+BUILD_MAX_ROWS = 512  # start-up builds buckets up to this many rows (an 8k-token model's would take long)
 
 
 def bucket_rows(rows: int) -> int:
@@ -199,20 +200,30 @@ class PrepackedLinear(nn.Linear):
 
 
 def build_gemms(model: nn.Module, max_rows: int, dtype: torch.dtype) -> tuple[int, float]:
-    """Has oneDNN build (and cache) the GEMM of every row bucket up to `max_rows` for each distinct
-    PrepackedLinear of `model`, on `dtype` inputs (the activations'), so that no request waits for
-    one (module docstring). Call after the weights are loaded. Returns (GEMMs run, seconds)."""
+    """Has oneDNN build (and cache) the GEMM of every row bucket up to `max_rows` (at most
+    BUILD_MAX_ROWS) for each distinct PrepackedLinear of `model`, through its own forward on
+    `dtype` inputs (the activations'), so that no request of up to that many tokens waits for one
+    (module docstring). Call after the weights are loaded. Layers that keep F.linear (their weight
+    does not pack for these inputs) build nothing; nor does anything with the buckets switched off.
+    Returns (GEMMs run, seconds)."""
     start = time.perf_counter()
+    if not ROW_BUCKETS_ON or dtype not in PACKABLE_DTYPES:
+        return 0, 0.0
     distinct: dict[tuple[int, int, bool, bool, bool], PrepackedLinear] = {}
     for m in model.modules():
         if isinstance(m, PrepackedLinear) and m.weight.device.type == "cpu":
             distinct.setdefault((m.in_features, m.out_features, m.gelu, m.bf16_inputs, m.bias is None), m)
-    sizes = sorted({bucket_rows(rows) for rows in range(1, max_rows + 1)})
+    sizes = sorted({bucket_rows(rows) for rows in range(1, min(max_rows, BUILD_MAX_ROWS) + 1)})
+    num_gemms = 0
     with torch.inference_mode():
         for layer in distinct.values():
+            gemm_dtype = torch.bfloat16 if layer.bf16_inputs else dtype
+            if layer.onednn.get(layer.weight, layer.bias, gemm_dtype) is None:
+                continue  # F.linear: no GEMM of oneDNN's to build
             for rows in sizes:
                 layer(torch.zeros(rows, layer.in_features, dtype=dtype))
-    return len(distinct) * len(sizes), time.perf_counter() - start
+            num_gemms += len(sizes)
+    return num_gemms, time.perf_counter() - start
 
 
 def use_bf16_inputs(model: nn.Module) -> int:
