@@ -25,7 +25,7 @@ from services.worker.models.bert import EncoderModel
 from services.worker.models.config import DecoderConfig
 from services.worker.models.llava import LlavaModelConfig
 from services.worker.models.loader import load_model, parse_config, read_hf_config
-from services.worker.models.prepacked_linear import BUILD_MAX_ROWS, build_gemms, use_bf16_inputs
+from services.worker.models.prepacked_linear import build_gemms, use_bf16_inputs
 from services.worker.pooling import load_pooling_config
 from services.worker.pooling_runner import PoolingRunner
 from shared.execute import ExecuteRound, NewRequestData, WorkerInfo
@@ -244,10 +244,7 @@ class Worker:
             logger.info("encoder GEMMs: bfloat16 inputs, float32 accumulation, in %d linear layers "
                         "(--encoder-matmul %s; float32 keeps them float32)", num_layers, self.config.encoder_matmul)
         if self.device.type == "cpu":
-            num_gemms, seconds = build_gemms(model, self.max_model_len, self.dtype)
-            if num_gemms:
-                logger.info("oneDNN GEMMs built for one request's rows (up to %d): %d in %.2f s",
-                            min(self.max_model_len, BUILD_MAX_ROWS), num_gemms, seconds)
+            build_gemms(model, self.max_model_len, self.dtype)
         self.runner = PoolingRunner(
             model, self.backend, pooling, max_model_len=self.max_model_len, device=self.device
         )

@@ -199,7 +199,7 @@ def test_build_gemms_runs_each_distinct_layer_at_every_bucket(monkeypatch: pytes
 
 
 @needs_onednn
-def test_bucketed_bf16_result_handed_on_unwidened() -> None:
+def test_bucketed_bf16_result_handed_on_unwidened(monkeypatch: pytest.MonkeyPatch) -> None:
     """`widen=False` under bf16 inputs at a padded row count: the real rows' bf16 result, which the
     next layer takes as it is, the same values as at the unpadded size."""
     import services.worker.models.prepacked_linear as pl
@@ -210,10 +210,7 @@ def test_bucketed_bf16_result_handed_on_unwidened() -> None:
     with torch.inference_mode():
         half = up(x, widen=False)
         out = down(half)
-        pl.ROW_BUCKETS_ON = False
-        try:
-            expected = down(up(x, widen=False))
-        finally:
-            pl.ROW_BUCKETS_ON = True
+        monkeypatch.setattr(pl, "ROW_BUCKETS_ON", False)
+        expected = down(up(x, widen=False))
     assert half.dtype == torch.bfloat16 and half.shape == (13, 80)
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=1e-2)

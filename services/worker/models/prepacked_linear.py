@@ -120,10 +120,7 @@ def _bucketed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
     padded = bucket_rows(rows) if ROW_BUCKETS_ON else rows
     if padded == rows:
         return _packed_linear(x, packed, bias, gelu)
-    xp = x.new_empty(padded, x.shape[1])
-    xp[:rows] = x
-    xp[rows:] = 0
-    return _packed_linear(xp, packed, bias, gelu)[:rows]
+    return _packed_linear(F.pad(x, (0, 0, 0, padded - rows)), packed, bias, gelu)[:rows]
 
 
 class OneDnnWeight:
@@ -205,25 +202,29 @@ def build_gemms(model: nn.Module, max_rows: int, dtype: torch.dtype) -> tuple[in
     `dtype` inputs (the activations'), so that no request of up to that many tokens waits for one
     (module docstring). Call after the weights are loaded. Layers that keep F.linear (their weight
     does not pack for these inputs) build nothing; nor does anything with the buckets switched off.
-    Returns (GEMMs run, seconds)."""
-    start = time.perf_counter()
+    Logs what it built; returns (GEMMs run, seconds)."""
     if not ROW_BUCKETS_ON or dtype not in PACKABLE_DTYPES:
         return 0, 0.0
+    start = time.perf_counter()
     distinct: dict[tuple[int, int, bool, bool, bool], PrepackedLinear] = {}
     for m in model.modules():
         if isinstance(m, PrepackedLinear) and m.weight.device.type == "cpu":
             distinct.setdefault((m.in_features, m.out_features, m.gelu, m.bf16_inputs, m.bias is None), m)
-    sizes = sorted({bucket_rows(rows) for rows in range(1, min(max_rows, BUILD_MAX_ROWS) + 1)})
+    max_rows = min(max_rows, BUILD_MAX_ROWS)
+    sizes = sorted({bucket_rows(rows) for rows in range(1, max_rows + 1)})
     num_gemms = 0
     with torch.inference_mode():
         for layer in distinct.values():
-            gemm_dtype = torch.bfloat16 if layer.bf16_inputs else dtype
-            if layer.onednn.get(layer.weight, layer.bias, gemm_dtype) is None:
+            layer(torch.zeros(sizes[0], layer.in_features, dtype=dtype))  # packs the weight, as the forward would
+            if layer.onednn.packed is None:
                 continue  # F.linear: no GEMM of oneDNN's to build
-            for rows in sizes:
+            for rows in sizes[1:]:
                 layer(torch.zeros(rows, layer.in_features, dtype=dtype))
             num_gemms += len(sizes)
-    return num_gemms, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if num_gemms:
+        logger.info("oneDNN GEMMs built for one request's rows (up to %d): %d in %.2f s", max_rows, num_gemms, seconds)
+    return num_gemms, seconds
 
 
 def use_bf16_inputs(model: nn.Module) -> int:
