@@ -20,12 +20,17 @@ After handing a step to the event loop the compute thread yields its core once
 compute thread's own core, and Linux lets the busy compute thread finish its time slice first
 (milliseconds), so that step's tokens waited in the worker. `perf sched timehist` showed the
 event loop's thread runnable but off a core for 3-5 ms a few times a second at one stream of
-the small model. The yield lets it send the tokens now, for one system call a step. Where the
-worker's threads are bound, the event loop always shares the compute thread's core
-(services/cpu_affinity.py `compute_core`), so the yield is what lets it run. Unbound, where the
-woken thread lands on the second core instead, the work pool's helper there gives way to it
-(kernels/csrc/work_pool.cpp: SCHED_IDLE helpers). With both, ITL p99 at one stream of the
-small model came down from 5-6x its median to about 3x (figures in the README, "CPU speed").
+the small model. The yield lets it send the tokens now, for one system call a step, but the
+compute thread runs again only once the event loop, gRPC's poller thread and the event loop again
+have each had the core: at one stream of the small model (bf16, 2-core AMD EPYC Zen 4,
+2026-12-01, timestamps from the hand-off, medians) the message was built at 60 us, its send
+complete at 145 and the compute thread back at 154, ~0.15 ms of a 0.68 ms served step (README,
+"Measured on 2026-12-01 (third session)"). Where the worker's threads are bound, the event loop
+always shares the compute thread's core (services/cpu_affinity.py `compute_core`), so the yield
+is what lets it run. Unbound, where the woken thread lands on the second core instead, the work
+pool's helper there gives way to it (kernels/csrc/work_pool.cpp: SCHED_IDLE helpers). With both,
+ITL p99 at one stream of the small model came down from 5-6x its median to about 3x (figures in
+the README, "CPU speed").
 SPINDLE_DISABLE_STEP_YIELD=1 turns the yield off (side-by-side runs).
 """
 
