@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from benchmarks.cli_args import comma_list
 from benchmarks.embed_client import ENCODING_FORMATS, EmbedBatch, EmbeddingSender, make_batches
 from benchmarks.embed_report import ST, EmbedRow, failed_row, format_table, row_from_load, rows_to_json
 from benchmarks.limit import machine_cores
@@ -249,20 +250,17 @@ def run_all(settings: EmbedSettings, stem: str) -> tuple[list[EmbedRow], EmbedCo
     return rows, ctx
 
 
-def _csv_ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
-
-
 def parse_settings(argv: Sequence[str] | None) -> EmbedSettings:
     p = argparse.ArgumentParser(prog="python -m benchmarks.embed_bench", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="sentence-transformers model dir (default: all-MiniLM-L6-v2)")
     p.add_argument("--num-sentences", type=int, default=2000)
     p.add_argument("--min-words", type=int, default=8)
     p.add_argument("--max-words", type=int, default=200)
-    p.add_argument("--concurrency", type=_csv_ints, default=(1, 32, 256), help="spindle, one sentence per request")
+    p.add_argument("--concurrency", type=comma_list(int), default=(1, 32, 256),
+                   help="spindle, one sentence per request")
     p.add_argument("--batch-size", type=int, default=32,
                    help="sentence-transformers batch size and spindle-batched sentences per request")
-    p.add_argument("--batch-concurrency", type=_csv_ints, default=(1, 8), help="spindle-batched concurrencies")
+    p.add_argument("--batch-concurrency", type=comma_list(int), default=(1, 8), help="spindle-batched concurrencies")
     p.add_argument("--configs", type=lambda t: tuple(x for x in t.split(",") if x), default=DEFAULT_CONFIGS,
                    help=f"comma list of {','.join(DEFAULT_CONFIGS)}")
     p.add_argument("--encoding-format", default="float", choices=ENCODING_FORMATS)

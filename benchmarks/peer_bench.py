@@ -48,6 +48,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
+from benchmarks.cli_args import comma_list
 from benchmarks.limit import machine_cores
 from benchmarks.load_client import LoadConfig, LoadRun, run_with_warmup, warmup_spec
 from benchmarks.metrics import LatencyStats, steady_state_itls
@@ -323,26 +324,22 @@ def run_all(settings: PeerBenchSettings, stem: str,
     return first, rows
 
 
-def _csv(kind: type = str):  # type: ignore[no-untyped-def]
-    return lambda text: tuple(kind(x) for x in text.split(",") if x)
-
-
 def parse_settings(argv: Sequence[str] | None) -> PeerBenchSettings:
     d = PeerBenchSettings()
     p = argparse.ArgumentParser(prog="python -m benchmarks.run --peers ...", description=__doc__.splitlines()[0])
-    p.add_argument("--peers", type=_csv(), required=True, help=f"comma list of {list(PEERS)}")
-    p.add_argument("--parts", type=_csv(), default=d.parts, help="table, sweep or both")
-    p.add_argument("--models", type=_csv(), default=d.models)
-    p.add_argument("--dtypes", type=_csv(), default=d.dtypes, help="weights: float32, bfloat16")
-    p.add_argument("--concurrency", type=_csv(int), default=d.concurrencies)
+    p.add_argument("--peers", type=comma_list(str), required=True, help=f"comma list of {list(PEERS)}")
+    p.add_argument("--parts", type=comma_list(str), default=d.parts, help="table, sweep or both")
+    p.add_argument("--models", type=comma_list(str), default=d.models)
+    p.add_argument("--dtypes", type=comma_list(str), default=d.dtypes, help="weights: float32, bfloat16")
+    p.add_argument("--concurrency", type=comma_list(int), default=d.concurrencies)
     p.add_argument("--input-len", type=int, default=d.input_len)
     p.add_argument("--output-len", type=int, default=d.output_len)
     p.add_argument("--sweep-model", default=d.sweep_model, help="its long-context variant serves the sweep")
     p.add_argument("--sweep-dtype", default=d.sweep_dtype)
     p.add_argument("--sweep-streams", type=int, default=d.sweep_streams)
-    p.add_argument("--contexts", type=_csv(int), default=d.contexts, help="sweep prompt lengths")
+    p.add_argument("--contexts", type=comma_list(int), default=d.contexts, help="sweep prompt lengths")
     p.add_argument("--sweep-output-len", type=int, default=d.sweep_output_len)
-    p.add_argument("--sweep-peers", type=_csv(), default=d.sweep_peers)
+    p.add_argument("--sweep-peers", type=comma_list(str), default=d.sweep_peers)
     p.add_argument("--rounds", type=int, default=d.rounds, help="run the table this many times, interleaved")
     p.add_argument("--spindle-arg", action="append", default=[], help="extra flag for spindle serve (repeatable)")
     p.add_argument("--no-spindle", action="store_true", help="peers only (to rerun their cells)")

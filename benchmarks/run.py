@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from benchmarks.cli_args import comma_list
 from benchmarks.load_client import LoadConfig, run_with_warmup, warmup_spec
 from benchmarks.models import BENCH_MODELS, REPO, ensure_model
 from benchmarks.otlp_receiver import otlp_receiver
@@ -229,10 +230,6 @@ def run_all(settings: BenchSettings, stem: str) -> list[BenchRow]:
     return rows
 
 
-def _csv(kind: Callable[[str], object]) -> Callable[[str], tuple]:
-    return lambda text: tuple(kind(x) for x in text.split(",") if x)
-
-
 def _env_variant(text: str) -> tuple[str, tuple[tuple[str, str], ...]]:
     """'unfused:SPINDLE_DISABLE_FUSED_KERNELS=1' -> ('unfused', (('SPINDLE_DISABLE_FUSED_KERNELS', '1'),)).
 
@@ -251,16 +248,16 @@ def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
                    help="small model, concurrency 1,4, 32 prompt + 16 output tokens, max(2*conc, 4) requests")
-    p.add_argument("--models", type=_csv(str), default=None, help=f"comma list of {sorted(BENCH_MODELS)}")
-    p.add_argument("--concurrency", type=_csv(int), default=None, help="comma list, e.g. 1,16,64")
+    p.add_argument("--models", type=comma_list(str), default=None, help=f"comma list of {sorted(BENCH_MODELS)}")
+    p.add_argument("--concurrency", type=comma_list(int), default=None, help="comma list, e.g. 1,16,64")
     p.add_argument("--input-len", type=int, default=None)
     p.add_argument("--output-len", type=int, default=None)
     p.add_argument("--num-requests", type=int, default=None, help="fixed count (default: max(2*conc, 8))")
-    p.add_argument("--configs", type=_csv(str), default=DEFAULT_CONFIGS,
+    p.add_argument("--configs", type=comma_list(str), default=DEFAULT_CONFIGS,
                    help="subset of limit,generate,spindle,spindle-traced")
-    p.add_argument("--scheduler-steps", type=_csv(int), default=DEFAULT_SCHEDULER_STEPS)
+    p.add_argument("--scheduler-steps", type=comma_list(int), default=DEFAULT_SCHEDULER_STEPS)
     p.add_argument("--spindle-arg", action="append", default=[], help="extra flag for spindle serve (repeatable)")
-    p.add_argument("--attention-backends", type=_csv(str), default=(),
+    p.add_argument("--attention-backends", type=comma_list(str), default=(),
                    help="comma list: run spindle once per --attention-backend, e.g. sdpa,paged")
     p.add_argument("--spindle-env-variant", action="append", default=[], type=_env_variant,
                    metavar="LABEL[:NAME=VALUE,...]",

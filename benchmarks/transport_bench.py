@@ -34,13 +34,14 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from benchmarks.cli_args import comma_list
 from shared.grpc_io import LEGACY_POLLING_EXPERIMENTS
 
 TRANSPORTS = ("grpc", "grpc-event-engine", "stream")
 # GRPC_EXPERIMENTS of each child (None: unset), fixed before it imports grpc: gRPC reads its
 # experiments once, at start-up.
 TRANSPORT_EXPERIMENTS = {"grpc": LEGACY_POLLING_EXPERIMENTS, "grpc-event-engine": None, "stream": None}
-_WARMUP = 20  # messages before the receiver starts counting (connection set up, caches warm)
+_WARMUP = 20  # messages before either side starts counting (connection set up, caches warm)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,9 +98,11 @@ async def _send_grpc(port: int, payload: bytes, messages: int, pace_s: float, re
                 for i in range(messages):
                     if i:
                         await asyncio.sleep(pace_s)
+                    if i == _WARMUP:
+                        before = _cpu_s()
                     yield message
             finally:  # the receiver cancels the call once it has every message, maybe before this resumes
-                result.update(_per_message(before, messages))
+                result.update(_per_message(before, messages - _WARMUP))
                 finished.set()
 
     server = grpc.aio.server()
@@ -148,9 +151,11 @@ async def _send_stream(port: int, payload: bytes, messages: int, pace_s: float, 
         for i in range(messages):
             if i:
                 await asyncio.sleep(pace_s)
+            if i == _WARMUP:
+                before = _cpu_s()
             writer.write(frame)
             await writer.drain()
-        result.update(_per_message(before, messages))
+        result.update(_per_message(before, messages - _WARMUP))
         writer.close()
         finished.set()
 
@@ -175,6 +180,11 @@ async def _receive_stream(port: int, messages: int) -> dict[str, float]:
     return _per_message(before, messages - _WARMUP)
 
 
+# Each transport's two sides (the gRPC ones differ only in the experiments their processes start with).
+_SIDES = {"grpc": (_send_grpc, _receive_grpc), "grpc-event-engine": (_send_grpc, _receive_grpc),
+          "stream": (_send_stream, _receive_stream)}
+
+
 def _run_pair(transport: str, port: int, messages: int, pace_s: float, rows: int) -> dict[str, dict[str, float]]:
     """Fork: the child sends, this process receives; returns both sides' CPU per message."""
     import uvloop
@@ -185,13 +195,13 @@ def _run_pair(transport: str, port: int, messages: int, pace_s: float, rows: int
     pid = os.fork()
     if pid == 0:  # the sender
         os.close(ready_r)
-        send = _send_grpc if transport.startswith("grpc") else _send_stream
+        send, _ = _SIDES[transport]
         sent = uvloop.run(send(port, payload, messages, pace_s, ready_w))
         os.write(result_w, json.dumps(sent).encode())
         os._exit(0)
     os.close(ready_w)
     os.read(ready_r, 1)  # the sender listens
-    receive = _receive_grpc if transport.startswith("grpc") else _receive_stream
+    _, receive = _SIDES[transport]
     received = uvloop.run(receive(port, messages))
     os.close(result_w)
     sent = json.loads(os.read(result_r, 1 << 16))
@@ -223,14 +233,11 @@ def format_table(cells: Sequence[Cell], rows: int) -> str:
     return "\n".join(lines)
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(",") if x)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--transports", default=",".join(TRANSPORTS), help=f"comma list of {', '.join(TRANSPORTS)}")
-    p.add_argument("--pace-ms", type=_floats, default=(0.7, 0.0), help="comma list: ms between messages (0: none)")
+    p.add_argument("--pace-ms", type=comma_list(float), default=(0.7, 0.0),
+                   help="comma list: ms between messages (0: none)")
     p.add_argument("--messages", type=int, default=4000)
     p.add_argument("--rows", type=int, default=1, help="tokens in each step message (streams decoding)")
     p.add_argument("--pair", choices=TRANSPORTS, help=argparse.SUPPRESS)  # internal: one cell, in this process
