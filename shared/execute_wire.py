@@ -130,6 +130,10 @@ def abort_to_proto(abort: AbortRows) -> worker_pb2.ExecuteRequest:
     return worker_pb2.ExecuteRequest(aborted_request_ids=abort.request_ids)
 
 
+def execute_request_to_proto(item: ExecuteRound | AbortRows) -> worker_pb2.ExecuteRequest:
+    return abort_to_proto(item) if isinstance(item, AbortRows) else round_to_proto(item)
+
+
 def execute_request_from_proto(msg: worker_pb2.ExecuteRequest) -> ExecuteRound | AbortRows:
     """A round, or an abort (a message with aborted_request_ids carries no round)."""
     if msg.aborted_request_ids:
@@ -230,6 +234,7 @@ def worker_info_to_proto(info: WorkerInfo) -> worker_pb2.GetWorkerInfoResponse:
         pooled_size=info.pooled_size,
         mm_tokens_per_item=info.mm_tokens_per_item,
         encoder_cache_tokens=info.encoder_cache_tokens,
+        step_port=info.step_port,
     )
 
 
@@ -248,4 +253,5 @@ def worker_info_from_proto(msg: worker_pb2.GetWorkerInfoResponse) -> WorkerInfo:
         pooled_size=msg.pooled_size,
         mm_tokens_per_item=msg.mm_tokens_per_item,
         encoder_cache_tokens=msg.encoder_cache_tokens,
+        step_port=msg.step_port,
     )

@@ -15,7 +15,7 @@ import sys
 from grpc_health.v1 import health_pb2
 
 from services.cpu_affinity import add_cpu_cores_argument
-from services.scheduler.config import DEFAULT_LISTEN, DEFAULT_WORKER_ADDRS, SchedulerConfig
+from services.scheduler.config import DEFAULT_LISTEN, DEFAULT_WORKER_ADDRS, STEP_TRANSPORTS, SchedulerConfig
 from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.servicer import SERVICE_NAME, register
@@ -85,6 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="until rounds are quiet, send the next multi-step round once the one in flight ends "
                              "within this long (hides the round trip where steps are short; 0: never) "
                              "[SPINDLE_PIPELINE_LEAD_MS]")
+    parser.add_argument("--step-transport", choices=STEP_TRANSPORTS,
+                        default=_env("STEP_TRANSPORT", defaults.step_transport),
+                        help="socket: stream each worker's steps on its step socket where it offers one (less CPU "
+                             "a token than gRPC; never with --internal-tls); grpc: always gRPC's Execute "
+                             "[SPINDLE_STEP_TRANSPORT]")
     parser.add_argument("--worker-ready-timeout-s", type=float,
                         default=float(_env("WORKER_READY_TIMEOUT_S", str(defaults.worker_ready_timeout_s))),
                         help="give up waiting for a worker after this long; 0: wait forever "
@@ -132,6 +137,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         stats_interval_s=args.stats_interval_s,
         metrics_port=metrics_port_from_args(args),
         internal_tls=internal_tls_from_args(args),
+        step_transport=args.step_transport,
         state_store=args.state_store,
         orphan_timeout_s=args.orphan_timeout_s,
         max_worker_failures=args.max_worker_failures,
@@ -141,7 +147,8 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
 
 async def serve(config: SchedulerConfig) -> None:
     """Listen at once (GetSchedulerInfo says ready=False), turn SERVING once every worker is ready."""
-    links = [WorkerClient(i, addr, config.worker_ready_timeout_s, tls=config.internal_tls)
+    links = [WorkerClient(i, addr, config.worker_ready_timeout_s, tls=config.internal_tls,
+                          step_socket=config.step_transport == "socket")
              for i, addr in enumerate(config.worker_addresses)]
     tracing = Tracing.from_env("scheduler")
     # The lambda reads `engine` at scrape time: the scheduler exists once every worker is ready.

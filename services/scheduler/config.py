@@ -11,6 +11,7 @@ from shared.tls import TlsFiles
 
 DEFAULT_LISTEN = "0.0.0.0:50052"
 DEFAULT_WORKER_ADDRS = "127.0.0.1:50061"
+STEP_TRANSPORTS = ("socket", "grpc")
 # The smallest step-0 budget while requests decode: a few decoding streams still let a prompt
 # through in a handful of chunks instead of a few tokens per step. 32, not 64, since the few-rows
 # linear tiles made a decode step of 4-8 streams cheap (medium bf16, 8 streams: ~10 ms) beside a
@@ -59,6 +60,8 @@ class SchedulerConfig:
             the encoder-cache budget (encoder_budget.py), so the frontend enforces it too.
         metrics_port: port of the Prometheus /metrics endpoint (None: off; 0: a free port).
         internal_tls: mutual TLS for the SchedulerService and the channels to the workers; None: plaintext.
+        step_transport: "socket": a worker's Execute stream runs on its step socket where it offers one
+            (shared/step_frames.py; never with internal_tls); "grpc": always on gRPC's Execute.
         max_worker_failures: a request that was on this many failing workers fails alone (it may
             be what makes them fail); others move to live workers.
         state_store: where accepted requests are journaled: "memory" or a redis:// URL.
@@ -86,6 +89,7 @@ class SchedulerConfig:
     limit_mm_per_prompt: int = 4
     metrics_port: int | None = None
     internal_tls: TlsFiles | None = None
+    step_transport: str = "socket"
     max_worker_failures: int = 3
     state_store: str = "memory"
     orphan_timeout_s: float = 60.0
@@ -116,5 +120,7 @@ class SchedulerConfig:
             raise ValueError(f"{self.shutdown_grace_s=} must be >= 0")
         if self.orphan_timeout_s <= 0:
             raise ValueError(f"{self.orphan_timeout_s=} must be > 0")
+        if self.step_transport not in STEP_TRANSPORTS:
+            raise ValueError(f"{self.step_transport=} must be one of {STEP_TRANSPORTS}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"{self.metrics_port=} is not a TCP port")

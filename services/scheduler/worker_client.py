@@ -1,8 +1,10 @@
-"""`WorkerClient`: the scheduler's gRPC link to one worker (GetWorkerInfo, then one Execute stream).
+"""`WorkerClient`: the scheduler's link to one worker (GetWorkerInfo over gRPC, then one Execute stream).
 
 Waits until the worker answers GetWorkerInfo (backoff, progress logged), then keeps one
-bidi Execute stream: rounds go out in the order `send` is called, step outputs come back
-through a callback. A broken stream is reported once through `on_failure`; the client never
+Execute stream: rounds go out in the order `send` is called, step outputs come back through a
+callback. The stream runs on the worker's step socket where the worker offers one
+(step_stream.py; `--step-transport socket`, the default, without internal TLS), else as gRPC's
+bidi Execute. A broken stream is reported once through `on_failure`; the client never
 reconnects by itself: the engine loop moves the worker's requests elsewhere, calls `reset`,
 waits for the worker again and `open`s a new stream (the worker starts it from scratch).
 """
@@ -13,14 +15,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
+from services.scheduler.step_stream import STREAM_CLOSED, Outgoing, step_socket_host, stream_steps
 from services.scheduler.worker_link import OnFailure, OnOutput
 from shared.errors import UnavailableError
-from shared.execute import AbortRows, ExecuteRound, WorkerInfo
-from shared.execute_wire import abort_to_proto, round_to_proto, step_from_proto, worker_info_from_proto
+from shared.execute import AbortRows, ExecuteRound, StepOutput, WorkerInfo
+from shared.execute_wire import execute_request_to_proto, step_from_proto, worker_info_from_proto
 from shared.grpc_channel import open_channel
 from shared.pb.spindle.v1 import worker_pb2, worker_pb2_grpc
 from shared.tls import TlsFiles
@@ -29,22 +32,26 @@ logger = logging.getLogger(__name__)
 
 _LOG_EVERY_S = 10.0
 
-_Outgoing = ExecuteRound | AbortRows | None  # None ends the stream
-
 
 class WorkerClient:
-    """gRPC `WorkerLink` for the worker at `address` (index = its position in the config)."""
+    """`WorkerLink` for the worker at `address` (index = its position in the config).
+
+    `step_socket`: run the stream on the worker's step socket where it offers one (never with `tls`).
+    """
 
     def __init__(self, index: int, address: str, ready_timeout_s: float = 0.0,
-                 backoff_initial_s: float = 0.05, backoff_max_s: float = 2.0, tls: TlsFiles | None = None) -> None:
+                 backoff_initial_s: float = 0.05, backoff_max_s: float = 2.0, tls: TlsFiles | None = None,
+                 step_socket: bool = True) -> None:
         self.index = index
         self.address = address
+        self._step_host = step_socket_host(address) if step_socket and tls is None else None
+        self._step_port = 0  # the step socket's port the worker offered (0: none), from wait_ready
         self._ready_timeout_s = ready_timeout_s
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
         self._channel = open_channel(address, tls)  # mutual TLS when `tls` is given
         self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
-        self._outbox: asyncio.Queue[_Outgoing] = asyncio.Queue()
+        self._outbox: asyncio.Queue[Outgoing] = asyncio.Queue()
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reader: asyncio.Task[None] | None = None
         self._closing = False
@@ -57,9 +64,11 @@ class WorkerClient:
             try:
                 msg = await self._stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10.0)
                 info = worker_info_from_proto(msg)
-                logger.info("worker %d at %s ready: model %s (%s on %s), %d KV blocks x %d tokens",
+                self._step_port = info.step_port if self._step_host is not None else 0
+                logger.info("worker %d at %s ready: model %s (%s on %s), %d KV blocks x %d tokens; steps over %s",
                             self.index, self.address, info.model_id, info.dtype, info.device,
-                            info.num_kv_blocks, info.block_size)
+                            info.num_kv_blocks, info.block_size,
+                            f"its step socket (port {self._step_port})" if self._step_port else "gRPC")
                 return info
             except grpc.aio.AioRpcError as exc:
                 reason = f"{exc.code().name}: {exc.details()}"
@@ -75,9 +84,16 @@ class WorkerClient:
 
     def open(self, on_output: OnOutput, on_failure: OnFailure) -> None:
         self._outbox = asyncio.Queue()  # a fresh stream starts with no rounds of an old one
-        self._call = self._stub.Execute(self._requests(self._outbox))
-        self._reader = asyncio.create_task(self._read(self._call, on_output, on_failure),
-                                           name=f"worker-{self.index}-reader")
+
+        def on_step(step: StepOutput) -> None:
+            on_output(self.index, step)
+
+        if self._step_port and self._step_host is not None:
+            ended = stream_steps(self._step_host, self._step_port, self._outbox, on_step)
+        else:
+            self._call = self._stub.Execute(self._requests(self._outbox))
+            ended = self._read(self._call, on_step)
+        self._reader = asyncio.create_task(self._watch(ended, on_failure), name=f"worker-{self.index}-reader")
 
     def send(self, rnd: ExecuteRound) -> None:
         self._outbox.put_nowait(rnd)
@@ -108,20 +124,28 @@ class WorkerClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
 
-    async def _requests(self, outbox: asyncio.Queue[_Outgoing]) -> AsyncIterator[worker_pb2.ExecuteRequest]:
+    async def _requests(self, outbox: asyncio.Queue[Outgoing]) -> AsyncIterator[worker_pb2.ExecuteRequest]:
         while (item := await outbox.get()) is not None:
-            yield abort_to_proto(item) if isinstance(item, AbortRows) else round_to_proto(item)
+            yield execute_request_to_proto(item)
 
-    async def _read(self, call: grpc.aio.StreamStreamCall, on_output: OnOutput, on_failure: OnFailure) -> None:
+    @staticmethod
+    async def _read(call: grpc.aio.StreamStreamCall, on_step: Callable[[StepOutput], None]) -> str:
+        """Reads a gRPC Execute stream until it ends; why it ended."""
         try:
             async for msg in call:
-                on_output(self.index, step_from_proto(msg))
-            message = "the worker closed its Execute stream"
+                on_step(step_from_proto(msg))
+            return STREAM_CLOSED
         except grpc.aio.AioRpcError as exc:
-            message = f"Execute stream broke ({exc.code().name}: {exc.details()})"
+            return f"Execute stream broke ({exc.code().name}: {exc.details()})"
+        finally:
+            call.cancel()
+
+    async def _watch(self, ended: Awaitable[str], on_failure: OnFailure) -> None:
+        """Waits for the stream to end and reports why, once (not when the scheduler closed it)."""
+        try:
+            message = await ended
         except Exception as exc:  # a bad step output: fail this worker, keep serving the others
             logger.exception("processing a step output of worker %d failed", self.index)
             message = f"its step output could not be processed: {exc}"
-        call.cancel()
         if not self._closing:
             on_failure(self.index, message)

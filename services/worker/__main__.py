@@ -132,6 +132,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch CPU threads (default: one per core it may use, no more than its container's CPU limit) "
         "[SPINDLE_NUM_THREADS]",
     )
+    parser.add_argument("--step-port", type=int, default=int(_env("STEP_PORT", "0")),
+                        help="TCP port of the step socket, which streams each step's tokens to the scheduler "
+                             "without gRPC; 0: a free one, -1: none (not offered with --internal-tls) "
+                             "[SPINDLE_STEP_PORT]")
     parser.add_argument("--fault-fail-round", type=int, default=int(_env("FAULT_FAIL_ROUND", "0")),
                         help="fault injection for tests: the n-th round this process runs raises; 0: never "
                              "[SPINDLE_FAULT_FAIL_ROUND]")
@@ -162,6 +166,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         num_threads=args.num_threads or (len(args.cpu_cores) or None) or quota_threads(),
         metrics_port=metrics_port_from_args(args),
         fault_fail_round=args.fault_fail_round,
+        step_port=args.step_port,
         internal_tls=internal_tls_from_args(args),
     )
 

@@ -47,6 +47,8 @@ class WorkerConfig:
             sentence-transformers models by sentence_bert_config.json's max_seq_length.
         num_threads: torch CPU threads; None keeps torch's default.
         metrics_port: port of the Prometheus /metrics endpoint (None: off; 0: a free port).
+        step_port: port of the step socket (shared/step_frames.py) on the listen host; 0: a free one,
+            -1: none (steps go over Execute). With internal_tls there is none.
         internal_tls: mutual TLS for the WorkerService (clients need a certificate from the CA); None: plaintext.
     """
 
@@ -68,6 +70,7 @@ class WorkerConfig:
     num_threads: int | None = None
     metrics_port: int | None = None
     fault_fail_round: int = 0
+    step_port: int = 0
     internal_tls: TlsFiles | None = None
 
     def __post_init__(self) -> None:

@@ -32,6 +32,10 @@ pool's helper there gives way to it (kernels/csrc/work_pool.cpp: SCHED_IDLE help
 ITL p99 at one stream of the small model came down from 5-6x its median to about 3x (figures in
 the README, "CPU speed").
 SPINDLE_DISABLE_STEP_YIELD=1 turns the yield off (side-by-side runs).
+
+With `send_step` (the step socket, services/worker/step_socket.py) none of that happens: the
+compute thread converts each step and writes it to the socket itself, and `run` yields nothing;
+only a failure still comes back through the queue, after the steps written before it.
 """
 
 from __future__ import annotations
@@ -107,8 +111,13 @@ class RoundPipeline:
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
-    async def run(self, rounds: AsyncIterator[ExecuteRound | AbortRows]) -> AsyncIterator[StepOutput]:
-        """Step outputs of `rounds`, in order; raises RoundFailedError when a round fails."""
+    async def run(self, rounds: AsyncIterator[ExecuteRound | AbortRows],
+                  send_step: Callable[[StepOutput], None] | None = None) -> AsyncIterator[StepOutput]:
+        """Step outputs of `rounds`, in order; raises RoundFailedError when a round fails.
+
+        With `send_step`, the compute thread hands each step output to it instead (and nothing
+        is yielded); an OSError from it (the peer is gone) stops the rounds and is raised here.
+        """
         if self._active:
             raise UnavailableError("another Execute stream is active on this worker")
         self._active = True
@@ -116,14 +125,25 @@ class RoundPipeline:
         queue: asyncio.Queue[StepResult | BaseException | None] = asyncio.Queue()
         failed = threading.Event()
 
-        def deliver(item: StepResult | BaseException) -> None:
+        def hand_over(item: StepResult | BaseException) -> None:
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, item)
             except RuntimeError:  # the event loop closed (the worker is stopping): nobody reads any more
                 failed.set()
                 raise _ReaderGoneError from None
-            if YIELD_AFTER_STEP:
-                os.sched_yield()
+
+        def deliver(item: StepResult | BaseException) -> None:
+            if send_step is None or isinstance(item, BaseException):
+                hand_over(item)
+                if YIELD_AFTER_STEP:
+                    os.sched_yield()
+                return
+            try:
+                send_step(item.to_step_output())
+            except OSError as exc:  # the reader is gone or stopped reading: tell `run`, stop the rounds
+                failed.set()
+                hand_over(exc)
+                raise _ReaderGoneError from None
 
         def execute(round_: ExecuteRound) -> None:
             if failed.is_set():
@@ -145,7 +165,7 @@ class RoundPipeline:
                 trace.end()
             except _ReaderGoneError:
                 trace.end()
-                logger.info("round %d stopped: the worker is shutting down", round_.round_id)
+                logger.info("round %d stopped: nobody reads its steps any more", round_.round_id)
             except Exception as exc:
                 trace.end(exc)
                 failed.set()

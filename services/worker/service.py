@@ -7,6 +7,7 @@ set what the OpenMP runtime reads as torch loads it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 
@@ -16,6 +17,7 @@ from services.cpu_affinity import compute_core
 from services.worker.config import WorkerConfig
 from services.worker.round_pipeline import RoundPipeline, compute_thread
 from services.worker.servicer import WorkerServicer
+from services.worker.step_socket import StepSocket
 from services.worker.telemetry import WorkerTelemetry
 from services.worker.worker import Worker, runs_on_cpu
 from shared.grpc_server import start_grpc, wait_for_shutdown
@@ -69,7 +71,14 @@ async def serve(config: WorkerConfig) -> None:
         from services.worker.kernels.build import loaded_build
 
         telemetry.metrics.report_cpu_kernels(loaded_build())
-    servicer.attach(worker.info, pipeline)
+    step_socket = StepSocket(pipeline)
+    info = worker.info
+    if config.internal_tls is not None:
+        logger.info("no step socket: with internal TLS steps go over Execute")
+    elif config.step_port >= 0:
+        step_port = await step_socket.start(config.listen.rsplit(":", 1)[0], config.step_port)
+        info = dataclasses.replace(info, step_port=step_port)
+    servicer.attach(info, pipeline)
     freeze_startup_heap()
     await service.set_serving([SERVICE_NAME])
     telemetry.metrics.ready.set(1)
@@ -77,6 +86,7 @@ async def serve(config: WorkerConfig) -> None:
     try:
         await wait_for_shutdown(service)
     finally:
+        step_socket.close()
         pipeline.close()
         if metrics_server is not None:
             await metrics_server.stop()

@@ -42,12 +42,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         try:
             async for step in self.pipeline.run(_rounds(request_iterator)):
                 yield step_to_proto(step)
-        except RoundFailedError as exc:
-            cause = exc.cause
-            code = GRPC_CODES[cause.kind] if isinstance(cause, SpindleError) else grpc.StatusCode.INTERNAL
-            await context.abort(code, str(exc))
-        except SpindleError as exc:
-            await context.abort(GRPC_CODES[exc.kind], exc.message)
+        except (RoundFailedError, SpindleError) as exc:
+            await context.abort(*execute_status(exc))
+
+
+def execute_status(exc: RoundFailedError | SpindleError) -> tuple[grpc.StatusCode, str]:
+    """The status an Execute stream (or the step socket's, step_socket.py) ends with when `exc` ends it."""
+    if isinstance(exc, SpindleError):
+        return GRPC_CODES[exc.kind], exc.message
+    cause = exc.cause
+    return (GRPC_CODES[cause.kind] if isinstance(cause, SpindleError) else grpc.StatusCode.INTERNAL), str(exc)
 
 
 async def _rounds(

@@ -34,7 +34,7 @@ def _sample(kind: object, name: str) -> object:
         return 7.5
     return {"state_store": "redis://127.0.0.1:1/3", "attention_backend": "naive", "dtype": "float32",
             "weight_dtype": "bfloat16", "kv_cache_dtype": "bfloat16", "encoder_matmul": "float32",
-            "device": "cpu"}[name]
+            "device": "cpu", "step_transport": "grpc"}[name]
 
 
 def _serve_args(*argv: str) -> argparse.Namespace:

@@ -179,3 +179,12 @@ def assert_equal_up_to_bf16_near_ties(model_dir: Path, jobs: list[tuple[list[int
         gap = best - logits[got[k]].item()
         assert gap <= _bf16_steps(best, 4), f"prompt {prompt}: token {k} is {got[k]}, {gap} under the best"
     assert identical >= len(jobs) // 2, f"only {identical} of {len(jobs)} sequences equal transformers' throughout"
+
+
+def test_steps_over_grpc_match_transformers(tiny_models: dict[str, Path]) -> None:
+    """--step-transport grpc (what runs with --internal-tls) streams the same greedy tokens as the
+    workers' step sockets, which every other test here uses (the default)."""
+    model_dir = tiny_models["llama"]
+    jobs = workload(seed=41)
+    expected = [greedy_tokens(model_dir, p, n) for p, n in jobs]
+    _served_greedy_equals(model_dir, ("--step-transport", "grpc"), jobs, expected)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 
 import grpc
@@ -10,6 +11,7 @@ import grpc
 from services.worker.round_pipeline import RoundPipeline
 from services.worker.service import SERVICE_NAME
 from services.worker.servicer import WorkerServicer
+from services.worker.step_socket import StepSocket
 from services.worker.worker import Worker
 from shared.execute import ExecuteRound
 from shared.execute_wire import round_to_proto
@@ -18,8 +20,8 @@ from shared.pb.spindle.v1 import worker_pb2, worker_pb2_grpc
 
 
 @contextlib.asynccontextmanager
-async def serve_worker(worker: Worker) -> AsyncIterator[worker_pb2_grpc.WorkerServiceStub]:
-    """A stub for `worker` served on a free port; the server stops when the block ends."""
+async def worker_service(worker: Worker, step_socket: bool = False) -> AsyncIterator[str]:
+    """`worker` served on a free port (with its step socket if asked), as service.py wires it; its address."""
     servicer = WorkerServicer()
     service = await start_grpc(
         "127.0.0.1:0",
@@ -27,14 +29,25 @@ async def serve_worker(worker: Worker) -> AsyncIterator[worker_pb2_grpc.WorkerSe
         [SERVICE_NAME],
     )
     pipeline = RoundPipeline(worker.runner)
-    servicer.attach(worker.info, pipeline)
+    steps = StepSocket(pipeline)
+    info = worker.info
+    if step_socket:
+        info = dataclasses.replace(info, step_port=await steps.start("127.0.0.1", 0))
+    servicer.attach(info, pipeline)
     await service.set_serving([SERVICE_NAME])
     try:
-        async with grpc.aio.insecure_channel(service.address) as channel:
-            yield worker_pb2_grpc.WorkerServiceStub(channel)
+        yield service.address
     finally:
+        steps.close()
         await service.server.stop(0)
         pipeline.close()
+
+
+@contextlib.asynccontextmanager
+async def serve_worker(worker: Worker) -> AsyncIterator[worker_pb2_grpc.WorkerServiceStub]:
+    """A stub for `worker` served on a free port; the server stops when the block ends."""
+    async with worker_service(worker) as address, grpc.aio.insecure_channel(address) as channel:
+        yield worker_pb2_grpc.WorkerServiceStub(channel)
 
 
 async def as_requests(rounds: list[ExecuteRound]) -> AsyncIterator[worker_pb2.ExecuteRequest]:

@@ -202,5 +202,5 @@ async def test_the_model_loads_on_the_thread_that_runs_rounds(monkeypatch: pytes
     monkeypatch.setattr(worker_main, "Worker", FakeWorker)
     monkeypatch.setattr(worker_main, "RoundPipeline", SpyPipeline)
     monkeypatch.setattr(worker_main, "wait_for_shutdown", run_a_round_then_stop)
-    await worker_main.serve(WorkerConfig(model="/m", listen="127.0.0.1:0"))
+    await worker_main.serve(WorkerConfig(model="/m", listen="127.0.0.1:0", step_port=-1))
     assert threads["load"] == threads["round"] != threading.get_ident()

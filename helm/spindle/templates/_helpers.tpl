@@ -465,8 +465,11 @@ spec:
 {{- define "spindle.servicePorts" -}}
 {{- $out := list }}
 {{- range include "spindle.ports" . | fromJsonArray }}
-{{- $out = append $out (dict "name" .name "port" (int .port) "targetPort" .name "protocol" "TCP"
-      "appProtocol" (ternary "grpc" "http" (eq .name "grpc"))) }}
+{{- $port := dict "name" .name "port" (int .port) "targetPort" .name "protocol" "TCP" }}
+{{- if ne .name "steps" }}{{/* the step socket is plain TCP, neither gRPC nor HTTP */}}
+{{- $_ := set $port "appProtocol" (ternary "grpc" "http" (eq .name "grpc")) }}
+{{- end }}
+{{- $out = append $out $port }}
 {{- end }}
 {{- toYaml $out }}
 {{- end }}
@@ -474,7 +477,7 @@ spec:
 {{/*
 Ports of a component as a JSON list of {name, port}, for its containers and its Service alike:
 (dict "ctx" $ "component" "frontend"). `http` where the component has an httpPort, `grpc`,
-and `metrics` while metrics are on.
+`steps` where it has a stepPort (a worker's step socket), and `metrics` while metrics are on.
 */}}
 {{- define "spindle.ports" -}}
 {{- $v := index .ctx.Values .component }}
@@ -483,6 +486,9 @@ and `metrics` while metrics are on.
 {{- $ports = append $ports (dict "name" "http" "port" (int $v.httpPort)) }}
 {{- end }}
 {{- $ports = append $ports (dict "name" "grpc" "port" (int $v.grpcPort)) }}
+{{- if hasKey $v "stepPort" }}
+{{- $ports = append $ports (dict "name" "steps" "port" (int $v.stepPort)) }}
+{{- end }}
 {{- if .ctx.Values.metrics.enabled }}
 {{- $ports = append $ports (dict "name" "metrics" "port" (int $v.metricsPort)) }}
 {{- end }}

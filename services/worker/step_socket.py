@@ -1,0 +1,108 @@
+"""`StepSocket`: the worker's end of the step socket (shared/step_frames.py says why and what).
+
+Rounds are read on the event loop and go to the same `RoundPipeline` as Execute's; each step's
+frame is written by the compute thread itself, blocking, on a duplicate of the connection's
+socket (`StepSender`), so a step leaves the worker without waking another thread. As with
+Execute, one stream runs at a time: a second connection is answered with an END frame
+(UNAVAILABLE). A frame the worker cannot read ends that stream with INVALID_ARGUMENT; a peer
+that goes away (or reads nothing for `SEND_TIMEOUT_S`) stops its rounds. Nothing a peer sends
+stops the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+from collections.abc import AsyncIterator
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from services.worker.round_pipeline import RoundFailedError, RoundPipeline
+from services.worker.servicer import execute_status
+from shared.errors import SpindleError
+from shared.execute import AbortRows, ExecuteRound, StepOutput
+from shared.execute_wire import execute_request_from_proto, step_to_proto
+from shared.pb.spindle.v1 import worker_pb2
+from shared.step_frames import REQUEST, STEP, FrameError, end_frame, frame, read_frame
+
+logger = logging.getLogger(__name__)
+
+SEND_TIMEOUT_S = 30.0  # a peer that takes no step for this long is taken as gone
+
+
+class StepSender:
+    """Writes whole frames to one connection from any thread (the compute thread's steps, the loop's END)."""
+
+    def __init__(self, connection: socket.socket) -> None:
+        # A duplicate descriptor of the event loop's socket: the loop keeps reading the original,
+        # and this one blocks (up to the timeout) where the original may not.
+        self._sock = socket.socket(fileno=os.dup(connection.fileno()))
+        self._sock.settimeout(SEND_TIMEOUT_S)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._lock = threading.Lock()
+
+    def send_step(self, step: StepOutput) -> None:
+        self.send(frame(STEP, step_to_proto(step).SerializeToString()))
+
+    def send(self, data: bytes) -> None:
+        with self._lock:
+            self._sock.sendall(data)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class StepSocket:
+    """Serves the step socket for `pipeline` on a TCP port beside the worker's gRPC one."""
+
+    def __init__(self, pipeline: RoundPipeline) -> None:
+        self._pipeline = pipeline
+        self._server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on host:port (port 0: a free one); returns the port."""
+        self._server = await asyncio.start_server(self._serve, host.strip("[]"), port)
+        bound = self._server.sockets[0].getsockname()[1]
+        logger.info("step socket listening on %s:%d", host, bound)
+        return bound
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        sender = StepSender(writer.get_extra_info("socket"))
+        try:
+            code, message = await self._run(reader, sender)
+            if code != grpc.StatusCode.OK:
+                logger.warning("step stream from %s ended: %s: %s", peer, code.name, message)
+            await asyncio.to_thread(sender.send, end_frame(code, message))
+        except OSError as exc:
+            logger.info("step stream from %s closed by the peer (%s)", peer, exc)
+        finally:
+            sender.close()
+            writer.close()
+
+    async def _run(self, reader: asyncio.StreamReader, sender: StepSender) -> tuple[grpc.StatusCode, str]:
+        """Runs the stream's rounds; the status it ends with (OSError: the peer is gone)."""
+        try:
+            async for _ in self._pipeline.run(_rounds(reader), send_step=sender.send_step):
+                pass  # with send_step, steps leave from the compute thread
+        except (RoundFailedError, SpindleError) as exc:
+            return execute_status(exc)
+        except (FrameError, DecodeError) as exc:
+            return grpc.StatusCode.INVALID_ARGUMENT, f"unreadable frame: {exc}"
+        return grpc.StatusCode.OK, ""
+
+
+async def _rounds(reader: asyncio.StreamReader) -> AsyncIterator[ExecuteRound | AbortRows]:
+    while (item := await read_frame(reader)) is not None:
+        kind, payload = item
+        if kind != REQUEST:
+            raise FrameError(f"frame kind {kind} where a request ({REQUEST}) was expected")
+        yield execute_request_from_proto(worker_pb2.ExecuteRequest.FromString(payload))

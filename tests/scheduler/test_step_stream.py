@@ -1,0 +1,84 @@
+"""The scheduler's end of a step socket, against fake workers: hosts it will use, and why streams end."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import grpc
+import pytest
+
+from services.scheduler.step_stream import STREAM_CLOSED, Outgoing, step_socket_host, stream_steps
+from shared.execute import ExecuteRound, StepOutput
+from shared.pb.spindle.v1 import worker_pb2
+from shared.ports import free_port
+from shared.step_frames import REQUEST, STEP, end_frame, frame, read_frame
+
+
+@pytest.mark.parametrize(("address", "host"), [
+    ("127.0.0.1:50061", "127.0.0.1"),
+    ("worker-0.spindle-worker:50061", "worker-0.spindle-worker"),
+    ("[::1]:50061", "::1"),
+    ("dns:///worker:50061", None),  # a gRPC resolver target: left to gRPC
+    ("unix:/tmp/worker.sock", None),
+    ("worker", None),
+])
+def test_only_plain_host_port_targets_get_a_step_socket(address: str, host: str | None) -> None:
+    assert step_socket_host(address) == host
+
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def run_against(handler: Handler, rounds: int = 1) -> tuple[list[StepOutput], str]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    outbox: asyncio.Queue[Outgoing] = asyncio.Queue()
+    for i in range(rounds):
+        outbox.put_nowait(ExecuteRound(round_id=i))
+    outbox.put_nowait(None)
+    steps: list[StepOutput] = []
+    try:
+        async with asyncio.timeout(10):
+            return steps, await stream_steps("127.0.0.1", port, outbox, steps.append)
+    finally:
+        server.close()
+
+
+def echo_worker(end: bytes | None) -> Handler:
+    """Answers each round with one step, then (at the scheduler's end of stream) `end`, then closes."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (item := await read_frame(reader)) is not None:
+            kind, payload = item
+            assert kind == REQUEST
+            round_id = worker_pb2.ExecuteRequest.FromString(payload).round_id
+            writer.write(frame(STEP, worker_pb2.ExecuteResponse(round_id=round_id, is_last_step=True)
+                               .SerializeToString()))
+        if end is not None:
+            writer.write(end)
+        writer.close()
+    return handle
+
+
+async def test_steps_arrive_in_order_and_an_ok_end_closes_the_stream() -> None:
+    steps, why = await run_against(echo_worker(end_frame(grpc.StatusCode.OK)), rounds=3)
+    assert ([s.round_id for s in steps], why) == ([0, 1, 2], STREAM_CLOSED)
+
+
+@pytest.mark.parametrize(("end", "why"), [
+    (end_frame(grpc.StatusCode.INTERNAL, "round 0 failed: boom"),
+     "Execute stream broke (INTERNAL: round 0 failed: boom)"),
+    (None, "the worker closed its step socket without ending the stream"),
+    (frame(9, b""), "step socket broke (FrameError: frame kind 9 where a step (2) or the end (3) was expected)"),
+    (frame(STEP, b"xy")[:4], "step socket broke (FrameError: the stream ended inside a frame header)"),
+])
+async def test_every_other_end_is_reported_in_words(end: bytes | None, why: str) -> None:
+    steps, got = await run_against(echo_worker(end))
+    assert (len(steps), got) == (1, why)
+
+
+async def test_a_refused_connection_is_reported() -> None:
+    port = free_port()
+    outbox: asyncio.Queue[Outgoing] = asyncio.Queue()
+    why = await stream_steps("127.0.0.1", port, outbox, lambda step: None)
+    assert why.startswith(f"step socket 127.0.0.1:{port} refused the stream")
