@@ -13,9 +13,13 @@ side in a process of its own on uvloop, as the services run, and each reports it
                       polled in gRPC's poller thread (shared/grpc_io.py)
   grpc-event-engine   the same on gRPC's default EventEngine I/O threads
                       (SPINDLE_GRPC_EVENT_ENGINE=1)
-  stream              length-prefixed protobuf on a plain asyncio (uvloop) TCP stream: no gRPC
+  stream              the step socket's frames (shared/step_frames.py) on a plain asyncio (uvloop)
+                      TCP stream, written by the event loop: no gRPC
+  step-socket         the step socket as the services run it: the worker's `StepSender` writes each
+                      frame with a blocking send from a thread of its own (as the compute thread
+                      does), the receiver reads frames as the scheduler does
 
-The sender's figure includes the pacing timer (the same for every transport). Each cell is a
+The sender's figure includes the pacing timer (the event loop's; step-socket's thread sleeps). Each cell is a
 fresh pair of processes; run the command twice to see the host's noise.
 
     python -m benchmarks.transport_bench
@@ -31,16 +35,18 @@ import os
 import resource
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from benchmarks.cli_args import comma_list
 from shared.grpc_io import LEGACY_POLLING_EXPERIMENTS
 
-TRANSPORTS = ("grpc", "grpc-event-engine", "stream")
+TRANSPORTS = ("grpc", "grpc-event-engine", "stream", "step-socket")
 # GRPC_EXPERIMENTS of each child (None: unset), fixed before it imports grpc: gRPC reads its
 # experiments once, at start-up.
-TRANSPORT_EXPERIMENTS = {"grpc": LEGACY_POLLING_EXPERIMENTS, "grpc-event-engine": None, "stream": None}
+TRANSPORT_EXPERIMENTS = {"grpc": LEGACY_POLLING_EXPERIMENTS, "grpc-event-engine": None, "stream": None,
+                         "step-socket": None}
 _WARMUP = 20  # messages before either side starts counting (connection set up, caches warm)
 
 
@@ -141,21 +147,14 @@ async def _receive_grpc(port: int, messages: int) -> dict[str, float]:
     return result
 
 
-async def _send_stream(port: int, payload: bytes, messages: int, pace_s: float, ready: int) -> dict[str, float]:
+async def _serve_once(port: int, ready: int,
+                      send: Callable[[asyncio.StreamWriter], Awaitable[dict[str, float]]]) -> dict[str, float]:
+    """Listen on `port`, run `send` on the first connection, return what it measured."""
     finished = asyncio.Event()
     result: dict[str, float] = {}
-    frame = len(payload).to_bytes(4, "little") + payload
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        before = _cpu_s()
-        for i in range(messages):
-            if i:
-                await asyncio.sleep(pace_s)
-            if i == _WARMUP:
-                before = _cpu_s()
-            writer.write(frame)
-            await writer.drain()
-        result.update(_per_message(before, messages - _WARMUP))
+        result.update(await send(writer))
         writer.close()
         finished.set()
 
@@ -166,14 +165,57 @@ async def _send_stream(port: int, payload: bytes, messages: int, pace_s: float, 
     return result
 
 
-async def _receive_stream(port: int, messages: int) -> dict[str, float]:
+async def _send_stream(port: int, payload: bytes, messages: int, pace_s: float, ready: int) -> dict[str, float]:
+    from shared.step_frames import STEP, frame
+
+    async def send(writer: asyncio.StreamWriter) -> dict[str, float]:
+        before = _cpu_s()
+        for i in range(messages):
+            if i:
+                await asyncio.sleep(pace_s)
+            if i == _WARMUP:
+                before = _cpu_s()
+            writer.write(frame(STEP, payload))
+            await writer.drain()
+        return _per_message(before, messages - _WARMUP)
+
+    return await _serve_once(port, ready, send)
+
+
+async def _send_step_socket(port: int, payload: bytes, messages: int, pace_s: float, ready: int) -> dict[str, float]:
+    from services.worker.step_socket import StepSender
+    from shared.step_frames import STEP, frame
+
+    def send_from_a_thread(sender: StepSender) -> dict[str, float]:
+        before = _cpu_s()
+        for i in range(messages):
+            if i:
+                time.sleep(pace_s)
+            if i == _WARMUP:
+                before = _cpu_s()
+            sender.send(frame(STEP, payload))
+        return _per_message(before, messages - _WARMUP)
+
+    async def send(writer: asyncio.StreamWriter) -> dict[str, float]:
+        sender = StepSender(writer.get_extra_info("socket"))
+        try:
+            return await asyncio.to_thread(send_from_a_thread, sender)
+        finally:
+            sender.close()
+
+    return await _serve_once(port, ready, send)
+
+
+async def _receive_frames(port: int, messages: int) -> dict[str, float]:
     from shared.pb.spindle.v1 import worker_pb2
+    from shared.step_frames import read_frame
 
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     before = _cpu_s()
     for count in range(1, messages + 1):
-        size = int.from_bytes(await reader.readexactly(4), "little")
-        worker_pb2.ExecuteResponse.FromString(await reader.readexactly(size))  # parsed, as gRPC's side does
+        item = await read_frame(reader)
+        assert item is not None, "the sender closed early"
+        worker_pb2.ExecuteResponse.FromString(item[1])  # parsed, as gRPC's side does
         if count == _WARMUP:
             before = _cpu_s()
     writer.close()
@@ -182,7 +224,7 @@ async def _receive_stream(port: int, messages: int) -> dict[str, float]:
 
 # Each transport's two sides (the gRPC ones differ only in the experiments their processes start with).
 _SIDES = {"grpc": (_send_grpc, _receive_grpc), "grpc-event-engine": (_send_grpc, _receive_grpc),
-          "stream": (_send_stream, _receive_stream)}
+          "stream": (_send_stream, _receive_frames), "step-socket": (_send_step_socket, _receive_frames)}
 
 
 def _run_pair(transport: str, port: int, messages: int, pace_s: float, rows: int) -> dict[str, dict[str, float]]:
