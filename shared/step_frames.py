@@ -12,6 +12,12 @@ with a plain asyncio stream (services/scheduler/step_stream.py).
 A frame is a 4-byte little-endian payload length, a kind byte and the payload: `REQUEST` frames
 (an `ExecuteRequest`) go to the worker, `STEP` frames (an `ExecuteResponse`) come back, and the
 worker's last frame is one `END` (an `ExecuteStreamEnd`: the status Execute would have ended with).
+
+Both ends send an empty `HEARTBEAT` frame every `HEARTBEAT_INTERVAL_S` and give the stream up
+once nothing at all has come from the other for `SILENCE_TIMEOUT_S` (`keep_alive`): what gRPC's
+keepalive pings did for Execute. A stopped or unplugged worker's kernel may still accept and
+acknowledge bytes, so only the peer's own frames tell that it lives; and a worker must let go of
+a scheduler that vanished, or it would refuse the next one's stream as "another stream is active".
 The same messages as Execute, so everything else about a round is unchanged. gRPC stays for
 GetWorkerInfo (which tells the step socket's port), health and TLS: with internal TLS the worker
 offers no step socket and steps go over Execute.
@@ -21,14 +27,20 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 
 from shared.pb.spindle.v1 import worker_pb2
 
 HEADER = struct.Struct("<IB")
-REQUEST, STEP, END = 1, 2, 3
+REQUEST, STEP, END, HEARTBEAT = 1, 2, 3, 4
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # as gRPC's grpc.max_receive_message_length on the services
+HEARTBEAT_INTERVAL_S = 1.0
+# Generous against an event loop that is merely slow (10 s of silence is a failure in itself);
+# gRPC's pings noticed a silent peer within ~4 s.
+SILENCE_TIMEOUT_S = 10.0
 
 _STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 
@@ -66,3 +78,37 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes] | None:
         return kind, await reader.readexactly(size)
     except asyncio.IncompleteReadError:
         raise FrameError(f"the stream ended inside a frame of {size} bytes") from None
+
+
+class FrameReader:
+    """Reads a stream's frames, skipping heartbeats, and notes when the last frame of any kind came."""
+
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self._reader = reader
+        self.last_frame_at = time.monotonic()
+
+    async def read(self) -> tuple[int, bytes] | None:
+        """The next frame that is not a heartbeat (read_frame's result)."""
+        while (item := await read_frame(self._reader)) is not None:
+            self.last_frame_at = time.monotonic()
+            if item[0] != HEARTBEAT:
+                return item
+        return None
+
+
+HEARTBEAT_FRAME = frame(HEARTBEAT, b"")
+
+
+async def keep_alive(send: Callable[[bytes], Awaitable[None] | None], frames: FrameReader,
+                     interval_s: float = HEARTBEAT_INTERVAL_S, timeout_s: float = SILENCE_TIMEOUT_S) -> str:
+    """Send a heartbeat every `interval_s` until the peer has sent nothing for `timeout_s`; why it ended."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            sent = send(HEARTBEAT_FRAME)
+            if sent is not None:
+                await sent
+        except OSError as exc:
+            return f"a heartbeat could not be sent ({exc})"
+        if (silent_s := time.monotonic() - frames.last_frame_at) > timeout_s:
+            return f"nothing came from the peer for {silent_s:.1f} s"

@@ -5,13 +5,14 @@ frame is written by the compute thread itself, blocking, on a duplicate of the c
 socket (`StepSender`), so a step leaves the worker without waking another thread. As with
 Execute, one stream runs at a time: a second connection is answered with an END frame
 (UNAVAILABLE). A frame the worker cannot read ends that stream with INVALID_ARGUMENT; a peer
-that goes away (or reads nothing for `SEND_TIMEOUT_S`) stops its rounds. Nothing a peer sends
-stops the worker.
+that goes away (reads nothing for `SEND_TIMEOUT_S`, or sends not even a heartbeat for
+`silence_timeout_s`) stops its rounds. Nothing a peer sends stops the worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -27,7 +28,17 @@ from shared.errors import SpindleError
 from shared.execute import AbortRows, ExecuteRound, StepOutput
 from shared.execute_wire import execute_request_from_proto, step_to_proto
 from shared.pb.spindle.v1 import worker_pb2
-from shared.step_frames import REQUEST, STEP, FrameError, end_frame, frame, read_frame
+from shared.step_frames import (
+    HEARTBEAT_INTERVAL_S,
+    REQUEST,
+    SILENCE_TIMEOUT_S,
+    STEP,
+    FrameError,
+    FrameReader,
+    end_frame,
+    frame,
+    keep_alive,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +63,11 @@ class StepSender:
         with self._lock:
             self._sock.sendall(data)
 
+    def shutdown(self) -> None:
+        """End the connection for every descriptor of it: reads see its end, the next send fails."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+
     def close(self) -> None:
         self._sock.close()
 
@@ -59,8 +75,11 @@ class StepSender:
 class StepSocket:
     """Serves the step socket for `pipeline` on a TCP port beside the worker's gRPC one."""
 
-    def __init__(self, pipeline: RoundPipeline) -> None:
+    def __init__(self, pipeline: RoundPipeline, heartbeat_s: float = HEARTBEAT_INTERVAL_S,
+                 silence_timeout_s: float = SILENCE_TIMEOUT_S) -> None:
         self._pipeline = pipeline
+        self._heartbeat_s = heartbeat_s
+        self._silence_timeout_s = silence_timeout_s
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int) -> int:
@@ -77,21 +96,31 @@ class StepSocket:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         sender = StepSender(writer.get_extra_info("socket"))
+        frames = FrameReader(reader)
+
+        async def watch() -> None:  # a scheduler that vanished must not hold the worker
+            why = await keep_alive(lambda data: asyncio.to_thread(sender.send, data), frames,
+                                   self._heartbeat_s, self._silence_timeout_s)
+            logger.warning("step stream from %s: %s; ending it", peer, why)
+            sender.shutdown()
+
+        watchdog = asyncio.create_task(watch(), name=f"step-socket-{peer}-heartbeat")
         try:
-            code, message = await self._run(reader, sender)
+            code, message = await self._run(frames, sender)
             if code != grpc.StatusCode.OK:
                 logger.warning("step stream from %s ended: %s: %s", peer, code.name, message)
             await asyncio.to_thread(sender.send, end_frame(code, message))
         except OSError as exc:
             logger.info("step stream from %s closed by the peer (%s)", peer, exc)
         finally:
+            watchdog.cancel()
             sender.close()
             writer.close()
 
-    async def _run(self, reader: asyncio.StreamReader, sender: StepSender) -> tuple[grpc.StatusCode, str]:
+    async def _run(self, frames: FrameReader, sender: StepSender) -> tuple[grpc.StatusCode, str]:
         """Runs the stream's rounds; the status it ends with (OSError: the peer is gone)."""
         try:
-            async for _ in self._pipeline.run(_rounds(reader), send_step=sender.send_step):
+            async for _ in self._pipeline.run(_rounds(frames), send_step=sender.send_step):
                 pass  # with send_step, steps leave from the compute thread
         except (RoundFailedError, SpindleError) as exc:
             return execute_status(exc)
@@ -100,8 +129,8 @@ class StepSocket:
         return grpc.StatusCode.OK, ""
 
 
-async def _rounds(reader: asyncio.StreamReader) -> AsyncIterator[ExecuteRound | AbortRows]:
-    while (item := await read_frame(reader)) is not None:
+async def _rounds(frames: FrameReader) -> AsyncIterator[ExecuteRound | AbortRows]:
+    while (item := await frames.read()) is not None:
         kind, payload = item
         if kind != REQUEST:
             raise FrameError(f"frame kind {kind} where a request ({REQUEST}) was expected")

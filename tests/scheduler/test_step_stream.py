@@ -12,7 +12,7 @@ from services.scheduler.step_stream import STREAM_CLOSED, Outgoing, step_socket_
 from shared.execute import ExecuteRound, StepOutput
 from shared.pb.spindle.v1 import worker_pb2
 from shared.ports import free_port
-from shared.step_frames import REQUEST, STEP, end_frame, frame, read_frame
+from shared.step_frames import HEARTBEAT, REQUEST, STEP, end_frame, frame, read_frame
 
 
 @pytest.mark.parametrize(("address", "host"), [
@@ -82,3 +82,44 @@ async def test_a_refused_connection_is_reported() -> None:
     outbox: asyncio.Queue[Outgoing] = asyncio.Queue()
     why = await stream_steps("127.0.0.1", port, outbox, lambda step: None)
     assert why.startswith(f"step socket 127.0.0.1:{port} refused the stream")
+
+
+async def test_a_silent_worker_ends_the_stream_and_hears_heartbeats_meanwhile() -> None:
+    """A worker whose kernel still takes our bytes but that sends nothing (stopped, hung) is given up."""
+    heard: list[int] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (item := await read_frame(reader)) is not None:
+            heard.append(item[0])
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    outbox: asyncio.Queue[Outgoing] = asyncio.Queue()
+    try:
+        async with asyncio.timeout(10):
+            why = await stream_steps("127.0.0.1", server.sockets[0].getsockname()[1], outbox, lambda step: None,
+                                     heartbeat_s=0.05, silence_timeout_s=0.4)
+    finally:
+        server.close()
+    assert why.startswith("the worker went silent (nothing came from the peer for 0.")
+    assert heard.count(HEARTBEAT) >= 4
+
+
+async def test_heartbeats_keep_an_idle_stream_open_and_never_reach_the_steps() -> None:
+    async def idle_then_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(20):  # 1 s of heartbeats only, over twice the silence timeout
+            writer.write(frame(HEARTBEAT, b""))
+            await asyncio.sleep(0.05)
+        await echo_worker(end_frame(grpc.StatusCode.OK))(reader, writer)
+
+    server = await asyncio.start_server(idle_then_answer, "127.0.0.1", 0)
+    outbox: asyncio.Queue[Outgoing] = asyncio.Queue()
+    outbox.put_nowait(ExecuteRound(round_id=5))
+    outbox.put_nowait(None)
+    steps: list[StepOutput] = []
+    try:
+        async with asyncio.timeout(10):
+            why = await stream_steps("127.0.0.1", server.sockets[0].getsockname()[1], outbox, steps.append,
+                                     heartbeat_s=0.05, silence_timeout_s=0.4)
+    finally:
+        server.close()
+    assert (why, [s.round_id for s in steps]) == (STREAM_CLOSED, [5])

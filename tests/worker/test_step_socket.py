@@ -37,15 +37,19 @@ def worker(llama_dir: Path) -> Worker:
     return Worker(WorkerConfig(model=str(llama_dir), kv_cache_bytes=4 * 2**20, num_threads=2))
 
 
-@pytest.fixture
-async def port(worker: Worker) -> AsyncIterator[int]:
+@pytest.fixture(params=[{}])
+async def port(worker: Worker, request: pytest.FixtureRequest) -> AsyncIterator[int]:
+    """The step socket's port; parametrize indirectly with StepSocket's keyword arguments."""
     pipeline = RoundPipeline(worker.runner)
-    step_socket = StepSocket(pipeline)
+    step_socket = StepSocket(pipeline, **request.param)
     try:
         yield await step_socket.start("127.0.0.1", 0)
     finally:
         step_socket.close()
         pipeline.close()
+
+
+QUICK_HEARTBEATS = {"heartbeat_s": 0.05, "silence_timeout_s": 0.5}
 
 
 @pytest.fixture
@@ -222,3 +226,34 @@ async def test_the_scheduler_client_takes_the_step_socket_the_worker_offers(
             assert failures == [STREAM_CLOSED]
             assert [(s.round_id, s.step_index) for s in outputs] == [(0, 0), (0, 1), (1, 0), (1, 1)]
             assert bool(sending_threads) == use_socket
+
+
+@pytest.mark.parametrize("port", [QUICK_HEARTBEATS], indirect=True)
+async def test_a_scheduler_that_goes_silent_lets_go_of_the_worker(port: int) -> None:
+    """It sent a round and then nothing, not even heartbeats, without closing: after the silence
+    timeout the worker ends that stream, so the next scheduler's stream is not refused."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(frame(REQUEST, execute_request_to_proto(ExecuteRound(round_id=0)).SerializeToString()))
+    async with asyncio.timeout(10):
+        while (await reader.read(4096)) != b"":  # its step, the worker's heartbeats, then the end
+            pass
+    writer.close()
+    steps, why = await run_stream(port, two_rounds()[:1])
+    assert (why, len(steps)) == (STREAM_CLOSED, 2)
+
+
+@pytest.mark.parametrize("port", [QUICK_HEARTBEATS], indirect=True)
+async def test_an_idle_scheduler_keeps_its_stream_with_heartbeats(port: int) -> None:
+    outbox: asyncio.Queue[Outgoing] = asyncio.Queue()
+    steps: list[StepOutput] = []
+    stream = asyncio.create_task(stream_steps("127.0.0.1", port, outbox, steps.append,
+                                              heartbeat_s=0.05, silence_timeout_s=0.5))
+    rounds = two_rounds()
+    outbox.put_nowait(rounds[0])
+    await asyncio.sleep(1.2)  # idle for over twice the silence timeout
+    outbox.put_nowait(rounds[1])
+    outbox.put_nowait(None)
+    async with asyncio.timeout(20):
+        assert await stream == STREAM_CLOSED
+    assert [(s.round_id, s.step_index) for s in steps] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
