@@ -35,6 +35,11 @@ from shared.step_frames import (
 Outgoing = ExecuteRound | AbortRows | None  # None ends the stream
 
 STREAM_CLOSED = "the worker closed its Execute stream"
+CONNECT_TIMEOUT_S = 5.0  # a port a firewall drops would otherwise take the kernel's ~2 min
+
+
+class StepSocketUnreachableError(ConnectionError):
+    """The worker offered a step socket, but no connection to it could be made."""
 
 
 def step_socket_host(address: str) -> str | None:
@@ -48,11 +53,12 @@ def step_socket_host(address: str) -> str | None:
 
 async def stream_steps(host: str, port: int, outbox: asyncio.Queue[Outgoing], on_step: Callable[[StepOutput], None],
                        heartbeat_s: float = HEARTBEAT_INTERVAL_S, silence_timeout_s: float = SILENCE_TIMEOUT_S) -> str:
-    """Run one stream on host:port until it ends; why it ended. An exception of `on_step` propagates."""
+    """Run one stream on host:port until it ends; why it ended. An exception of `on_step` propagates,
+    and StepSocketUnreachableError where no connection could be made (nothing was sent)."""
     try:
-        reader, writer = await asyncio.open_connection(host, port)
-    except OSError as exc:
-        return f"step socket {host}:{port} refused the stream ({exc})"
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
+    except (OSError, TimeoutError) as exc:
+        raise StepSocketUnreachableError(f"step socket {host}:{port} unreachable ({exc!r})") from None
     frames = FrameReader(reader)
     silent: list[str] = []
 

@@ -19,7 +19,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from services.scheduler.step_stream import STREAM_CLOSED, Outgoing, step_socket_host, stream_steps
+from services.scheduler.step_stream import (
+    STREAM_CLOSED,
+    Outgoing,
+    StepSocketUnreachableError,
+    step_socket_host,
+    stream_steps,
+)
 from services.scheduler.worker_link import OnFailure, OnOutput
 from shared.errors import UnavailableError
 from shared.execute import AbortRows, ExecuteRound, StepOutput, WorkerInfo
@@ -88,11 +94,7 @@ class WorkerClient:
         def on_step(step: StepOutput) -> None:
             on_output(self.index, step)
 
-        if self._step_port and self._step_host is not None:
-            ended = stream_steps(self._step_host, self._step_port, self._outbox, on_step)
-        else:
-            self._call = self._stub.Execute(self._requests(self._outbox))
-            ended = self._read(self._call, on_step)
+        ended = self._stream_on_socket(on_step) if self._step_port else self._stream_on_grpc(on_step)
         self._reader = asyncio.create_task(self._watch(ended, on_failure), name=f"worker-{self.index}-reader")
 
     def send(self, rnd: ExecuteRound) -> None:
@@ -128,9 +130,19 @@ class WorkerClient:
         while (item := await outbox.get()) is not None:
             yield execute_request_to_proto(item)
 
-    @staticmethod
-    async def _read(call: grpc.aio.StreamStreamCall, on_step: Callable[[StepOutput], None]) -> str:
-        """Reads a gRPC Execute stream until it ends; why it ended."""
+    async def _stream_on_socket(self, on_step: Callable[[StepOutput], None]) -> str:
+        """The stream on the worker's step socket; on gRPC where the socket cannot be reached (a
+        firewall that lets only the gRPC port through), for this stream. Why it ended."""
+        assert self._step_host is not None
+        try:
+            return await stream_steps(self._step_host, self._step_port, self._outbox, on_step)
+        except StepSocketUnreachableError as exc:
+            logger.warning("worker %d: %s; this stream goes over gRPC", self.index, exc)
+            return await self._stream_on_grpc(on_step)
+
+    async def _stream_on_grpc(self, on_step: Callable[[StepOutput], None]) -> str:
+        """The stream as gRPC's Execute; why it ended."""
+        self._call = call = self._stub.Execute(self._requests(self._outbox))
         try:
             async for msg in call:
                 on_step(step_from_proto(msg))

@@ -8,7 +8,13 @@ from collections.abc import Awaitable, Callable
 import grpc
 import pytest
 
-from services.scheduler.step_stream import STREAM_CLOSED, Outgoing, step_socket_host, stream_steps
+from services.scheduler.step_stream import (
+    STREAM_CLOSED,
+    Outgoing,
+    StepSocketUnreachableError,
+    step_socket_host,
+    stream_steps,
+)
 from shared.execute import ExecuteRound, StepOutput
 from shared.pb.spindle.v1 import worker_pb2
 from shared.ports import free_port
@@ -77,11 +83,13 @@ async def test_every_other_end_is_reported_in_words(end: bytes | None, why: str)
     assert (len(steps), got) == (1, why)
 
 
-async def test_a_refused_connection_is_reported() -> None:
+async def test_a_refused_connection_raises_so_the_client_can_fall_back() -> None:
     port = free_port()
     outbox: asyncio.Queue[Outgoing] = asyncio.Queue()
-    why = await stream_steps("127.0.0.1", port, outbox, lambda step: None)
-    assert why.startswith(f"step socket 127.0.0.1:{port} refused the stream")
+    outbox.put_nowait(ExecuteRound(round_id=0))
+    with pytest.raises(StepSocketUnreachableError, match=f"step socket 127.0.0.1:{port} unreachable"):
+        await stream_steps("127.0.0.1", port, outbox, lambda step: None)
+    assert outbox.qsize() == 1  # nothing was taken: the fallback sends it
 
 
 async def test_a_silent_worker_ends_the_stream_and_hears_heartbeats_meanwhile() -> None:

@@ -24,6 +24,7 @@ from services.worker.step_socket import StepSender, StepSocket
 from services.worker.worker import Worker
 from shared.execute import AbortRows, CachedRequestData, ExecuteRound, NewRequestData, StepOutput
 from shared.execute_wire import execute_request_to_proto
+from shared.ports import free_port
 from shared.sampling import SamplingOptions
 from shared.step_frames import END, HEADER, REQUEST, frame, parse_end
 from tests.worker.grpc_worker import worker_service
@@ -193,10 +194,14 @@ async def test_a_peer_that_leaves_mid_round_frees_the_worker(port: int) -> None:
     assert len(steps) == 2
 
 
-async def _run_client(address: str, use_socket: bool) -> tuple[list[StepOutput], list[str]]:
-    """Two rounds through a WorkerClient, then the end of its stream: (steps, failures reported)."""
+async def _run_client(address: str, use_socket: bool, offered_port: int | None = None,
+                      ) -> tuple[list[StepOutput], list[str]]:
+    """Two rounds through a WorkerClient, then the end of its stream: (steps, failures reported).
+    `offered_port`: the step socket's port as if the worker had offered that one instead."""
     client = WorkerClient(0, address, step_socket=use_socket)
     assert (await client.wait_ready()).step_port > 0
+    if offered_port is not None:
+        client._step_port = offered_port
     outputs: list[StepOutput] = []
     failures: list[str] = []
     done = asyncio.Event()
@@ -256,4 +261,15 @@ async def test_an_idle_scheduler_keeps_its_stream_with_heartbeats(port: int) -> 
     async with asyncio.timeout(20):
         assert await stream == STREAM_CLOSED
     assert [(s.round_id, s.step_index) for s in steps] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+async def test_a_step_socket_out_of_reach_leaves_the_stream_on_grpc(
+    worker: Worker, sending_threads: list[str]
+) -> None:
+    """Offered but unreachable (a firewall letting only the gRPC port through): the stream runs on gRPC."""
+    async with worker_service(worker, step_socket=True) as address:
+        outputs, failures = await _run_client(address, use_socket=True, offered_port=free_port())
+    assert failures == [STREAM_CLOSED]
+    assert [(s.round_id, s.step_index) for s in outputs] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert sending_threads == []
 
