@@ -4,7 +4,9 @@ It runs the pods of rendered manifests as local processes, doing for each what K
 would and nothing more, so that a chart that renders but could not run fails here:
 
 - a pod's process is the image's ENTRYPOINT (or the container's `command`) plus its `args`,
-  in the image's environment overlaid by `envFrom` ConfigMaps and Secrets and the `env`
+  in the image's environment (its PATH and prebuilt kernel cache pointing at this checkout's venv
+  and kernel builds: a worker that had to compile its kernels took minutes to be ready on a
+  slower CPU) overlaid by `envFrom` ConfigMaps and Secrets and the `env`
   list, `$(VAR)` references expanded as the kubelet expands them;
 - each pod gets its own loopback address as its pod IP (127.77.0.N); processes bind what the
   chart tells them, and `0.0.0.0` covers every loopback address as it covers a pod's IP;
@@ -40,6 +42,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.worker.kernels.build import CACHE_ENV as KERNEL_CACHE_ENV
+from services.worker.kernels.build import cache_root as kernel_cache_root
 from tests.helm.chart import BIN, CLUSTER_DOMAIN, NAMESPACE, Manifest, component_of
 from tests.helm.image import ImageConfig
 
@@ -274,6 +278,8 @@ class LocalCluster:
         """The container's environment, resolved as the kubelet resolves it."""
         env = {k: v for k, v in self.image.env.items() if k != "PATH"}
         env["PATH"] = LOCAL_PATH
+        if KERNEL_CACHE_ENV in env:  # the image's prebuilt kernels: here the ones `make install` built
+            env[KERNEL_CACHE_ENV] = str(kernel_cache_root())
         for source in pod.container.get("envFrom", []):
             for kind, key in (("configMapRef", "ConfigMap"), ("secretRef", "Secret")):
                 if kind in source:

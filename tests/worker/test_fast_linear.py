@@ -25,6 +25,7 @@ from services.worker.models.fast_linear import (
     rows_within,
     store_weights_as,
 )
+from tests.worker.onednn_marks import needs_onednn, needs_onednn_bf16
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -328,9 +329,6 @@ def test_a_malformed_round_allowance_names_the_variable(monkeypatch: pytest.Monk
         fast_linear.round_allowance_s()
 
 
-needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-
-
 @needs_onednn
 def test_rows_past_the_kernel_run_on_the_onednn_copy_and_follow_weight_changes() -> None:
     layer = FastLinear(48, 24)
@@ -359,7 +357,7 @@ def test_bf16_weights_past_the_kernel_run_on_a_float32_onednn_copy() -> None:
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight.float(), layer.bias), rtol=1e-5, atol=1e-5)
 
 
-@needs_onednn
+@needs_onednn_bf16
 @pytest.mark.parametrize("rows", [1, 3, 40])
 def test_bf16_activations_take_the_kernel_and_a_bf16_onednn_copy(rows: int) -> None:
     """--dtype bfloat16: few rows through the kernel (x widened, y rounded back), more through a bf16
@@ -376,6 +374,28 @@ def test_bf16_activations_take_the_kernel_and_a_bf16_onednn_copy(rows: int) -> N
             assert got.dtype == torch.bfloat16 and layer.onednn.packed.dtype == torch.bfloat16
             # fp32 sums rounded once: within a bf16 rounding (2^-8 relative) of the exact result
             torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-2)
+
+
+@needs_onednn
+def test_bf16_activations_keep_the_kernel_and_f_linear_where_onednn_refuses_bf16(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AVX2-only CPU: oneDNN's bf16 reorder raises, so no copy is made (and none counted), and
+    rows past the kernel run F.linear in bf16, with the same values."""
+    def refuse(*_: object) -> torch.Tensor:
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    torch.manual_seed(0)
+    layer = FastLinear(96, 40).to(torch.bfloat16)
+    assert fast_linear.prepack([layer], torch.bfloat16) == 0 and layer.onednn is None
+    x = torch.randn(9, 96, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        for kernel_rows in (0, 64):
+            layer.kernel_max_rows = kernel_rows
+            got = layer(x)
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), F.linear(x, layer.weight, layer.bias).float(),
+                                       rtol=2**-7, atol=2e-2)
 
 
 @needs_onednn

@@ -8,8 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.models.prepacked_linear import PrepackedLinear, use_bf16_inputs
-
-needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+from tests.worker.onednn_marks import needs_onednn, needs_onednn_bf16
 
 
 def _layer(in_features: int = 48, out_features: int = 80) -> PrepackedLinear:
@@ -41,7 +40,8 @@ def test_strided_input_and_weight_updates() -> None:
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # oneDNN's fused post-op, F.gelu after F.linear
+# oneDNN's fused post-op, F.gelu after F.linear
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_onednn_bf16)])
 def test_fused_gelu_is_exact_gelu_of_the_projection(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     layer = PrepackedLinear(48, 80, gelu=True).to(dtype)
@@ -67,7 +67,7 @@ def test_checkpoint_names_are_nn_linear_names() -> None:
     assert set(_layer().state_dict()) == set(nn.Linear(48, 80).state_dict()) == {"weight", "bias"}
 
 
-@needs_onednn
+@needs_onednn_bf16
 @pytest.mark.parametrize("gelu", [False, True])
 def test_bf16_inputs_run_the_bf16_gemm_and_return_float32(gelu: bool) -> None:
     """float32 in and out; in between the bf16 GEMM on rounded inputs, as a bf16 layer computes it."""
@@ -124,7 +124,7 @@ def test_row_buckets_bound_the_gemm_sizes() -> None:
 
 
 @needs_onednn
-@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("bf16", [False, pytest.param(True, marks=needs_onednn_bf16)])
 @pytest.mark.parametrize("gelu", [False, True])
 def test_gemm_runs_at_bucketed_rows_and_returns_the_real_ones(
         monkeypatch: pytest.MonkeyPatch, gelu: bool, bf16: bool) -> None:
@@ -164,7 +164,7 @@ def test_gemm_runs_at_bucketed_rows_and_returns_the_real_ones(
         torch.testing.assert_close(out, reference, atol=tol, rtol=tol)
 
 
-@needs_onednn
+@needs_onednn_bf16
 def test_build_gemms_runs_each_distinct_layer_at_every_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
     """Layers alike (shape, GELU, bf16 inputs, bias) share oneDNN's GEMMs: one is run per bucket,
     through the layer's own forward (a bf16-input layer's GEMM on bf16 rows, as in a forward pass)."""
