@@ -278,8 +278,6 @@ class LocalCluster:
         """The container's environment, resolved as the kubelet resolves it."""
         env = {k: v for k, v in self.image.env.items() if k != "PATH"}
         env["PATH"] = LOCAL_PATH
-        if KERNEL_CACHE_ENV in env:  # the image's prebuilt kernels: here the ones `make install` built
-            env[KERNEL_CACHE_ENV] = str(kernel_cache_root())
         for source in pod.container.get("envFrom", []):
             for kind, key in (("configMapRef", "ConfigMap"), ("secretRef", "Secret")):
                 if kind in source:
@@ -305,7 +303,12 @@ class LocalCluster:
             else:
                 raise WiringError(f"{pod.name}: env {item['name']}: {sorted(ref)} is not supported")
         where = f"{pod.name} env"
-        return {k: self.resolve_paths(self.resolve_hosts(v, where), pod) for k, v in env.items()}
+        resolved = {k: self.resolve_paths(self.resolve_hosts(v, where), pod) for k, v in env.items()}
+        if KERNEL_CACHE_ENV in resolved:
+            # The image's prebuilt kernels: here the ones `make install` built, a path on this
+            # machine that no mount may rewrite (a cache under /tmp is not the pod's emptyDir /tmp).
+            resolved[KERNEL_CACHE_ENV] = str(kernel_cache_root())
+        return resolved
 
     @staticmethod
     def _expand(text: str, env: dict[str, str]) -> str:
