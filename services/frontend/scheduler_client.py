@@ -299,9 +299,9 @@ class SchedulerClient:
                         self._dispatch(response)
                 finally:
                     poller.cancel()
-                logger.warning("the scheduler at %s closed the stream", self.address)
+                self._log_lost("the scheduler at %s closed the stream", self.address)
             except grpc.aio.AioRpcError as exc:
-                logger.warning("the stream to the scheduler at %s broke: %s %s", self.address,
+                self._log_lost("the stream to the scheduler at %s broke: %s %s", self.address,
                                exc.code().name, exc.details())
             finally:
                 if self._outbox is not None:
@@ -317,6 +317,11 @@ class SchedulerClient:
                 await channel.close()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self._backoff_max_s)
+
+    def _log_lost(self, message: str, *args: object) -> None:
+        """The scheduler went away: a warning, but for a frontend that drains (SIGTERM), whose
+        scheduler `spindle serve` or a rollout stops alongside."""
+        logger.log(logging.WARNING if self.accepting else logging.INFO, message, *args)
 
     async def _follow_info(self, stub: scheduler_pb2_grpc.SchedulerServiceStub) -> None:
         """While connected, re-read GetSchedulerInfo every second: readiness follows the workers."""

@@ -287,3 +287,42 @@ async def test_a_request_arriving_while_the_scheduler_is_away_waits_for_it(
         assert len(new) == 1 and not new[0].resumed  # sent once, as a new request
     finally:
         await server.stop(0)
+
+
+@pytest.mark.parametrize("draining", [False, True])
+async def test_losing_the_scheduler_warns_unless_the_frontend_drains(
+        tokenizer_dir: object, fake: FakeScheduler, scheduler_addr: str, draining: bool,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """`spindle serve` SIGTERMs scheduler and frontend together: the scheduler going away while
+    the frontend drains is expected, not a warning; at any other time it is one."""
+    from tests.frontend.conftest import make_config
+
+    server = Frontend(make_config(tokenizer_dir, scheduler_addr))  # type: ignore[arg-type]
+    server.scheduler._backoff_initial_s = server.scheduler._backoff_max_s = 5.0  # stays away meanwhile
+    await server.start()
+    try:
+        await server.scheduler.wait_ready(10)
+        while fake.num_connects < 1:
+            await asyncio.sleep(0.01)
+        if draining:
+            await server.drain()  # nothing in flight: returns at once
+        caplog.set_level("INFO", logger="services.frontend")
+        fake.break_stream()
+
+        def lost() -> list[str]:
+            return [r.levelname for r in caplog.records if r.name == "services.frontend.server"
+                    and "not ready" in r.getMessage() and "scheduler" in r.getMessage()]
+
+        for _ in range(500):
+            if lost():
+                break
+            await asyncio.sleep(0.01)
+        assert lost() == (["INFO"] if draining else ["WARNING"])
+        warned = [r for r in caplog.records if r.name.startswith("services.frontend") and r.levelname == "WARNING"]
+        assert bool(warned) is not draining  # the stream's end too: info while draining
+        async with grpc.aio.insecure_channel(server.grpc_address) as channel:
+            check = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+            status = (await health_pb2_grpc.HealthStub(channel).Check(check)).status
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING  # not ready either way
+    finally:
+        await server.stop(0)
