@@ -318,10 +318,14 @@ class SchedulerClient:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self._backoff_max_s)
 
+    @property
+    def loss_level(self) -> int:
+        """How loudly to log that the scheduler went away: a warning, but info for a frontend
+        that drains (SIGTERM), whose scheduler `spindle serve` or a rollout stops alongside."""
+        return logging.WARNING if self.accepting else logging.INFO
+
     def _log_lost(self, message: str, *args: object) -> None:
-        """The scheduler went away: a warning, but for a frontend that drains (SIGTERM), whose
-        scheduler `spindle serve` or a rollout stops alongside."""
-        logger.log(logging.WARNING if self.accepting else logging.INFO, message, *args)
+        logger.log(self.loss_level, message, *args)
 
     async def _follow_info(self, stub: scheduler_pb2_grpc.SchedulerServiceStub) -> None:
         """While connected, re-read GetSchedulerInfo every second: readiness follows the workers."""

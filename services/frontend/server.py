@@ -100,10 +100,9 @@ class Frontend:
             logger.info("ready: serving %s", self.config.served_model_name)
             return
         await self.grpc.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-        if self.scheduler.accepting:
-            logger.warning("not ready: lost the scheduler, reconnecting")
-        else:  # draining (SIGTERM): `spindle serve` and a rollout stop the scheduler alongside
-            logger.info("not ready: the scheduler went away while this frontend drains")
+        level = self.scheduler.loss_level
+        logger.log(level, "not ready: lost the scheduler, %s",
+                   "reconnecting" if level == logging.WARNING else "while this frontend drains")
 
     async def drain(self) -> None:
         """SIGTERM: refuse new requests, give those in flight `shutdown_grace_s` to finish, stop HTTP."""
