@@ -117,6 +117,9 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--greedy-step", choices=("on", "off", "both"), default="on",
+                   help="plain greedy decode steps in one kernel call (models/greedy_step.py); both: each "
+                        "repeat runs with it and then without it, on the same loaded model")
     args = p.parse_args()
     model_dir = str(ensure_model(args.model)) if args.model in BENCH_MODELS else args.model
     worker = Worker(WorkerConfig(model=model_dir, dtype=args.dtype, weight_dtype=args.weight_dtype,
@@ -127,14 +130,21 @@ def main() -> None:
     print(f"engine: {model_dir}, {torch.get_num_threads()} threads, {args.input_len} prompt + {args.output_len} "
           f"output tokens, {args.steps} steps a round")
     shown = [p for p in PHASES if p not in ("encode", "pool")]
-    print("| streams | run | decode tok/s | with the prompts' round | " + " | ".join(f"{p} ms" for p in shown) + " |")
+    print("| streams | run | greedy step | decode tok/s | with the prompts' round | "
+          + " | ".join(f"{p} ms" for p in shown) + " |")
+    greedy_step = getattr(runner.model, "greedy_step", None)
+    variants = {"on": (True,), "off": (False,), "both": (True, False)}[args.greedy_step]
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         for repeat in range(args.repeats):
-            run = run_engine(runner, worker.info.block_size, worker.info.vocab_size, concurrency, args.input_len,
-                             args.output_len, args.steps, seed=repeat)
-            cells = " | ".join(f"{run.phase_ms[p]:.2f}" for p in shown)
-            print(f"| {concurrency} | {repeat + 1} | {run.decode_tokens_per_s:,.1f} | {run.tokens_per_s:,.1f} "
-                  f"| {cells} |", flush=True)
+            for on in variants:
+                if greedy_step is not None:
+                    runner.model.greedy_step = greedy_step if on else None
+                run = run_engine(runner, worker.info.block_size, worker.info.vocab_size, concurrency,
+                                 args.input_len, args.output_len, args.steps, seed=repeat)
+                cells = " | ".join(f"{run.phase_ms[p]:.2f}" for p in shown)
+                label = "n/a" if greedy_step is None else "on" if on else "off"
+                print(f"| {concurrency} | {repeat + 1} | {label} | {run.decode_tokens_per_s:,.1f} "
+                      f"| {run.tokens_per_s:,.1f} | {cells} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -64,17 +64,19 @@ class CapturedStep:
 
 def capture_step(runner: ModelRunner, block_size: int, vocab_size: int, input_len: int = 128,
                  output_len: int = 24, steps: int = 8) -> CapturedStep:
-    """Run one stream through the engine and keep its last decode step's layer-stack call."""
+    """Run one stream through the engine and keep its last decode step's layer-stack call (with
+    the one-call greedy step off, models/greedy_step.py: it runs the same stack from C++)."""
     model = runner.model
     stack = getattr(model, "native_stack", None)
     if stack is None:
         raise SystemExit("this model's layers do not run in one native call here (see the worker's log)")
     recorder = _Recorder(stack)
-    model.native_stack = recorder
+    greedy_step = getattr(model, "greedy_step", None)
+    model.native_stack, model.greedy_step = recorder, None
     try:
         run_engine(runner, block_size, vocab_size, 1, input_len, output_len, steps)
     finally:
-        model.native_stack = stack
+        model.native_stack, model.greedy_step = stack, greedy_step
     assert recorder.args is not None and recorder.output is not None
     return CapturedStep(stack, recorder.args, recorder.output.clone(), model.lm_head)
 

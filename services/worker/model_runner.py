@@ -10,7 +10,9 @@ client one forward pass late. With structured-output rows in the batch (CUDA), a
 tokens are awaited before the next step samples (the forward pass is already launched): the
 grammar matchers advance on the host. Rows that finished, or that the scheduler aborted while
 the round computed (`abort`, from the event loop), leave the round's later steps
-(round_stops.py).
+(round_stops.py). A decode step whose rows all sample greedily with nothing reshaping their
+logits runs its forward pass, LM head and argmax in one kernel call (`_greedy_step`,
+models/greedy_step.py).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from services.worker.models.fused import fused_kernels_error
 from services.worker.models.native_stack import fits_pool, work_pool_scope
 from services.worker.request_states import RequestStates
 from services.worker.round_stops import Aborts, RoundRows, StopTable
-from services.worker.sampler import Sampler
+from services.worker.sampler import Sampler, SamplerOutput
 from services.worker.sampling_state import SamplingMetadata, SamplingState
 from services.worker.step_output import HostCopier, SampledStep
 from services.worker.step_phases import StepPhases
@@ -180,18 +182,23 @@ class ModelRunner:
             out = SampledStep(round_id, step, step == num_steps - 1, request_ids, live=samplers.live)
             phases.mark("prepare")
             if inputs is not None:
-                hidden = self._forward(inputs, rows, num_scheduled, starts if step == 0 else None)
-                phases.mark("forward")
-                if metadata is not None:
-                    logits = self.model.compute_logits(hidden[inputs.logits_indices])
-                    phases.mark("logits")
-                    grammar_mask = None
-                    if self.grammar_state.active:
-                        if pending is not None:  # the matchers need the previous step's tokens first
-                            self._deliver(pending, on_step)
-                            pending = None
-                        grammar_mask = self.grammar_state.mask(inputs.sample_rows)
-                    result = self.sampler(logits, metadata, step, grammar_mask)
+                result = None if metadata is None else self._greedy_step(inputs, metadata)
+                if result is not None:
+                    phases.mark("forward")  # the whole step, LM head and argmax included
+                else:
+                    hidden = self._forward(inputs, rows, num_scheduled, starts if step == 0 else None)
+                    phases.mark("forward")
+                    if metadata is not None:
+                        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+                        phases.mark("logits")
+                        grammar_mask = None
+                        if self.grammar_state.active:
+                            if pending is not None:  # the matchers need the previous step's tokens first
+                                self._deliver(pending, on_step)
+                                pending = None
+                            grammar_mask = self.grammar_state.mask(inputs.sample_rows)
+                        result = self.sampler(logits, metadata, step, grammar_mask)
+                if metadata is not None and result is not None:
                     sampled = result.token_ids
                     out.rows = inputs.sample_rows
                     self.copier.start(result, out, metadata.num_logprobs)
@@ -212,6 +219,21 @@ class ModelRunner:
         self._carry = None
         if inputs is not None and metadata is not None and sampled is not None:  # the last step computed
             self._carry = (inputs, sampled, metadata)
+
+    def _greedy_step(self, inputs: ModelInput, metadata: SamplingMetadata) -> SamplerOutput | None:
+        """The step's forward pass and sampling in one kernel call (models/greedy_step.py) where
+        every row decodes one token and samples it greedily with nothing that reshapes its
+        logits; None where it does not apply (the step then runs forward, logits, sampler)."""
+        common = inputs.common
+        if not (metadata.all_greedy and metadata.num_logprobs is None and metadata.logit_bias is None
+                and metadata.penalties is None and metadata.min_tokens is None and not self.grammar_state.active
+                and self.encoder_cache is None and common.max_query_len == 1
+                and len(inputs.sample_rows) == common.num_reqs):
+            return None
+        greedy_tokens = getattr(self.model, "greedy_tokens", None)
+        tokens = None if greedy_tokens is None else greedy_tokens(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        return None if tokens is None else SamplerOutput(tokens)
 
     def _resume(self, rows: np.ndarray, num_scheduled: np.ndarray) -> tuple[ModelInput | None, SamplingMetadata | None]:
         """Step 0 of a round that carries on from the last round's last step (`ModelInputBuilder.resume`),

@@ -30,13 +30,14 @@ def make_runner(
     num_blocks: int = 256,
     block_size: int = 16,
     max_model_len: int = 512,
+    dtype: torch.dtype = torch.float32,
 ) -> ModelRunner:
+    """A runner on `model_dir` with `dtype` activations and KV cache."""
     device = torch.device("cpu")
     config = parse_config(read_hf_config(model_dir))
     attn = create_backend(backend, block_size)
-    model = load_model(model_dir, attn, torch.float32, device)
-    caches = allocate_kv_caches(config, num_blocks, block_size, torch.float32, device,
-                                head_major=attn.head_major_cache)
+    model = load_model(model_dir, attn, dtype, device)
+    caches = allocate_kv_caches(config, num_blocks, block_size, dtype, device, head_major=attn.head_major_cache)
     return ModelRunner(
         model,
         attn,

@@ -26,6 +26,7 @@ from services.worker.models.base import SpindleModel, WeightTarget
 from services.worker.models.config import DecoderConfig
 from services.worker.models.fast_linear import FastLinear
 from services.worker.models.fused import ACTIVATION_CODES, KERNEL_DTYPES, fused_kernels_enabled
+from services.worker.models.greedy_step import GreedyStep, build_greedy_step
 from services.worker.models.native_stack import NativeStack, build_native_stack
 from services.worker.models.rope import RotaryEmbedding
 from shared.types import RequestKind
@@ -189,6 +190,7 @@ class DecoderForCausalLM(SpindleModel):
 
     task = RequestKind.GENERATE
     native_stack: NativeStack | None = None  # few-row steps in one kernel call (build_native_stack)
+    greedy_step: GreedyStep | None = None  # plain greedy decode steps in one kernel call (greedy_step.py)
 
     def __init__(self, config: DecoderConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -219,7 +221,7 @@ class DecoderForCausalLM(SpindleModel):
     def use_fused_kernels(self, enabled: bool) -> None:
         """Route float32 norms, activations and (with a backend that can) rotary through the fused kernels."""
         if not enabled:
-            self.native_stack = None
+            self.native_stack = self.greedy_step = None
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.fused = enabled
@@ -230,6 +232,9 @@ class DecoderForCausalLM(SpindleModel):
         """Gather the layers' parameters for the one-call stack (models/native_stack.py); once the
         weights are final and calibrated (the loader calls it), as the kernel reads these tensors."""
         self.native_stack = build_native_stack(self.config, self.layers, self.norm, self.lm_head)
+        self.greedy_step = build_greedy_step(self.native_stack, self.embed_tokens, self.embed_scale,
+                                             (self.rope.cos, self.rope.sin), self.lm_head,
+                                             self.config.final_logit_softcap)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings, scaled where the family scales them (Gemma: sqrt(hidden_size))."""
@@ -270,6 +275,17 @@ class DecoderForCausalLM(SpindleModel):
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, None if kv_caches is None else kv_caches[i], meta)
         return self.norm.add_forward(x, residual)[1]
+
+    def greedy_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor] | None,
+                      meta: Any) -> torch.Tensor | None:
+        """Each row's greedy next token for a decode step whose rows all sample, in one kernel
+        call (greedy_step.py); None where that call does not cover the step (then `forward`,
+        `compute_logits` and the sampler)."""
+        step = self.greedy_step
+        if step is None or not step.accepts(input_ids, kv_caches, meta):
+            return None
+        assert kv_caches is not None
+        return step(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab] for the rows that sample (soft-capped first where the family caps)."""

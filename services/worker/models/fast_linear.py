@@ -108,11 +108,14 @@ class FastLinear(nn.Linear):
         """The small-M kernel's y for `x` (`float_out`: as float32, see the op), or None where x
         has a row count calibration did not choose for the kernel or is not an activation dtype it takes."""
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if not ((0 < rows <= self.kernel_max_rows or (rows < len(self.kernel_at) and self.kernel_at[rows]))
-                and x.dtype in ACTIVATION_DTYPES):
+        if not (self.runs_kernel(rows) and x.dtype in ACTIVATION_DTYPES):
             return None
         y = torch.ops.spindle.linear_small_m(x.reshape(rows, x.shape[-1]), self.weight, self.bias, float_out)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def runs_kernel(self, rows: int) -> bool:
+        """Whether an input of `rows` rows goes through the small-M kernel (calibration's choice)."""
+        return 0 < rows <= self.kernel_max_rows or (rows < len(self.kernel_at) and bool(self.kernel_at[rows]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._kernel(x)

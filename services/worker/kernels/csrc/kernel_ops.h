@@ -1,5 +1,5 @@
 // The kernels' C++ entry points (each also registered as a torch.ops.spindle op), for code in
-// this library that chains them without going back through Python (decoder_stack.cpp).
+// this library that chains them without going back through Python (decoder_stack.cpp, greedy_decode.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 namespace spindle {
 
@@ -26,5 +27,15 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
                                                 const at::Tensor& weight, double eps, bool unit_offset);
 
 at::Tensor act_and_mul(const at::Tensor& gate_up_in, int64_t activation);
+
+at::Tensor argmax_rows(const at::Tensor& logits_in);
+
+at::Tensor decoder_stack(const at::Tensor& hidden, const std::vector<at::Tensor>& weights,
+                         const std::vector<c10::optional<at::Tensor>>& biases, const std::vector<at::Tensor>& kv_caches,
+                         const std::vector<int64_t>& windows, double eps, bool unit_offset, int64_t activation,
+                         int64_t num_heads, double scale, double softcap, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                         const at::Tensor& work_items, const at::Tensor& positions, const at::Tensor& cos,
+                         const at::Tensor& sin);
 
 }  // namespace spindle
