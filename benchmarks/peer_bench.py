@@ -341,6 +341,8 @@ def parse_settings(argv: Sequence[str] | None) -> PeerBenchSettings:
     p.add_argument("--sweep-output-len", type=int, default=d.sweep_output_len)
     p.add_argument("--sweep-peers", type=comma_list(str), default=d.sweep_peers)
     p.add_argument("--rounds", type=int, default=d.rounds, help="run the table this many times, interleaved")
+    p.add_argument("--min-requests", type=int, default=d.min_requests,
+                   help="requests per timed run at least (else 2 x streams): more steady one-stream cells")
     p.add_argument("--spindle-arg", action="append", default=[], help="extra flag for spindle serve (repeatable)")
     p.add_argument("--no-spindle", action="store_true", help="peers only (to rerun their cells)")
     p.add_argument("--threads", type=int, default=machine_cores(), help="threads per server (default: every core)")
@@ -351,7 +353,7 @@ def parse_settings(argv: Sequence[str] | None) -> PeerBenchSettings:
         peers=a.peers, parts=a.parts, models=a.models, dtypes=a.dtypes, concurrencies=a.concurrency,
         input_len=a.input_len, output_len=a.output_len, sweep_model=a.sweep_model, sweep_dtype=a.sweep_dtype,
         sweep_streams=a.sweep_streams, contexts=a.contexts, sweep_output_len=a.sweep_output_len,
-        sweep_peers=a.sweep_peers, rounds=a.rounds,
+        sweep_peers=a.sweep_peers, rounds=a.rounds, min_requests=a.min_requests,
         spindle_args=tuple(a.spindle_arg), include_spindle=not a.no_spindle, num_threads=a.threads,
         job_budget_s=a.job_budget_s, seed=a.seed)
 

