@@ -225,10 +225,8 @@ class ModelRunner:
         every row decodes one token and samples it greedily with nothing that reshapes its
         logits; None where it does not apply (the step then runs forward, logits, sampler)."""
         common = inputs.common
-        if not (metadata.all_greedy and metadata.num_logprobs is None and metadata.logit_bias is None
-                and metadata.penalties is None and metadata.min_tokens is None and not self.grammar_state.active
-                and self.encoder_cache is None and common.max_query_len == 1
-                and len(inputs.sample_rows) == common.num_reqs):
+        if not (metadata.argmax_only and not self.grammar_state.active and self.encoder_cache is None
+                and common.max_query_len == 1 and len(inputs.sample_rows) == common.num_reqs):
             return None
         greedy_tokens = getattr(self.model, "greedy_tokens", None)
         tokens = None if greedy_tokens is None else greedy_tokens(

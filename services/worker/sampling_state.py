@@ -60,6 +60,13 @@ class SamplingMetadata:
     num_logprobs: np.ndarray | None  # [S] host: top-N per row; None when no row asked for logprobs
     wants_logprobs: np.ndarray | None  # [S] host bool
 
+    @property
+    def argmax_only(self) -> bool:
+        """Every row takes the argmax of the model's logits: greedy, with no logprobs to report and
+        nothing that changes the logits first (logit_bias, penalties, min_tokens masking)."""
+        return (self.all_greedy and self.num_logprobs is None and self.logit_bias is None
+                and self.penalties is None and self.min_tokens is None)
+
 
 class SamplingState:
     """Sampling options of every live request, by `RequestStates` row."""

@@ -15,6 +15,7 @@ import pytest
 import torch
 from worker_harness import ToyScheduler, make_runner
 
+from services.worker.attention.paged import PagedMetadata
 from services.worker.model_runner import ModelRunner
 from services.worker.models.decoder import DecoderForCausalLM
 from services.worker.models.fast_linear import FastLinear, store_weights_as
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 BLOCK_SIZE = 4  # decode rounds cross block boundaries often
 KERNEL_ROWS = 8  # every linear layer and the LM head run the small-M kernel up to this many rows
+step_call = GreedyStep.__call__  # the real call, which `_generate` wraps to count
 
 
 def _runner(model_dir: Path, weight_dtype: torch.dtype = torch.float32,
@@ -63,7 +65,6 @@ def _generate(runner: ModelRunner, greedy_step: bool, requests: dict[str, tuple[
             model.greedy_step = step
 
 
-step_call = GreedyStep.__call__
 PROMPTS = {"a": [3, 17, 42, 5, 9, 88, 21, 7, 11, 30, 2, 64], "b": [5, 6], "c": [40, 41, 42, 43, 44, 45, 46]}
 GREEDY = SamplingOptions(temperature=0.0)
 
@@ -123,7 +124,7 @@ def test_greedy_step_takes_only_the_rows_its_kernels_cover(llama_dir: Path) -> N
     model = _runner(llama_dir).model
     step = model.greedy_step
     assert step is not None
-    meta = object.__new__(step.accepts.__globals__["PagedMetadata"])
+    meta = object.__new__(PagedMetadata)  # only its type is looked at
     caches = [torch.zeros(1)]
     assert step.accepts(torch.zeros(KERNEL_ROWS, dtype=torch.long), caches, meta)
     assert not step.accepts(torch.zeros(KERNEL_ROWS + 1, dtype=torch.long), caches, meta), "past the kernel"

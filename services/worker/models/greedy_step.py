@@ -9,7 +9,7 @@ that holds the parameters (built once at load), so its tokens are the Python pat
 
 The runner takes it for a decode step whose every row decodes one token and samples it
 greedily with nothing that reshapes the logits: no logprobs, logit_bias, penalties, min_tokens
-or grammar (model_runner.py `_greedy_tokens`); the stack must cover the step and the LM head
+or grammar (model_runner.py `_greedy_step`); the stack must cover the step and the LM head
 run its small-M kernel at that many rows. Everything else keeps the Python path.
 `SPINDLE_DISABLE_GREEDY_STEP=1` keeps it for side-by-side runs.
 """
@@ -42,9 +42,10 @@ class GreedyStep:
     lm_head: FastLinear
 
     def accepts(self, input_ids: torch.Tensor, kv_caches: Sequence[torch.Tensor] | None, meta: object) -> bool:
+        """The stack covers the step and the LM head runs its small-M kernel at that many rows
+        (the dtypes were checked when the plan was built)."""
         rows = input_ids.shape[0]
-        return (0 < rows <= self.stack.max_rows and self.lm_head.runs_kernel(rows)
-                and kv_caches is not None and isinstance(meta, PagedMetadata))
+        return self.stack.covers(rows, kv_caches, meta) and self.lm_head.runs_kernel(rows)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[torch.Tensor],
                  meta: PagedMetadata) -> torch.Tensor:

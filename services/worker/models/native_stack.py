@@ -63,13 +63,15 @@ class NativeStack:
     softcap: float
     max_rows: int  # the most rows every linear layer runs through the small-M kernel
 
+    def covers(self, rows: int, kv_caches: Sequence[torch.Tensor] | None, meta: object) -> bool:
+        """Whether a pass of `rows` tokens over these caches and metadata is one the stack takes."""
+        return 0 < rows <= self.max_rows and kv_caches is not None and isinstance(meta, PagedMetadata)
+
     def accepts(self, hidden: torch.Tensor, kv_caches: Sequence[torch.Tensor] | None, meta: object) -> bool:
         """Whether this forward pass can run here (else the caller takes the Python path)."""
         return (
-            0 < hidden.shape[0] <= self.max_rows
+            self.covers(hidden.shape[0], kv_caches, meta)
             and hidden.dtype == self.weights[0].dtype  # the model's activations (its norms' dtype)
-            and kv_caches is not None
-            and isinstance(meta, PagedMetadata)
         )
 
     def __call__(

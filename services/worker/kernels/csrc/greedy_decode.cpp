@@ -1,7 +1,7 @@
 // A greedy decode step in one call: token ids in, the next greedy token ids out (embedding
 // lookup, the layer stack of decoder_stack.cpp, the LM head's small-M kernel with float32
 // logits, argmax), for decode steps whose rows all sample greedily with nothing that reshapes
-// their logits (models/native_stack.py decides, services/worker/model_runner.py calls).
+// their logits (models/greedy_step.py and services/worker/model_runner.py decide).
 //
 // Why: with the stack in one call, a one-stream step of the small benchmark model still went
 // through Python for the embedding, the row selection before the LM head, the head, the sampler
