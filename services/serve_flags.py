@@ -58,8 +58,9 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
               "activations); auto: bfloat16 for embedding models on a CPU with bf16 math"),
     ServeFlag("device", (WORKER,), str, "auto | cpu | cuda"),
     ServeFlag("kv_cache_bytes", (WORKER,), int, "KV cache budget per CPU worker"),
-    ServeFlag("step_transport", (SCHEDULER,), str,
-              "socket | grpc: stream workers' steps on their step sockets (default) or on gRPC's Execute"),
+    ServeFlag("step_transport", (FRONTEND, SCHEDULER), str,
+              "socket | grpc: stream steps on the step sockets of the scheduler and the workers (default) or "
+              "on gRPC's Connect and Execute"),
     ServeFlag("block_size", (WORKER,), int, "tokens per KV block"),
     ServeFlag("num_threads", (WORKER,), int, "torch threads per worker"),
     # Nothing lost: the journal, failover, drain, per-key rate limits.

@@ -1,26 +1,29 @@
-"""Frames of the worker's step socket: the Execute stream without gRPC.
+"""Frames of a step socket: a gRPC stream of steps carried on a plain TCP socket.
 
-Why: at one stream of a small model every decode step is one message from the worker, and over
-gRPC aio that message costs the worker's compute core a hand-off to the event loop, gRPC's
-poller thread and the event loop again before it can start the next step (~0.15 ms of a 0.68 ms
-served step, README "Measured on 2026-12-01 (third session)"), and gRPC costs ~170 us of CPU a
-message across both sides against ~73 for the same protobuf on a plain socket
-(`python -m benchmarks.transport_bench`). On the step socket the compute thread writes each
-step's frame to the socket itself (services/worker/step_socket.py) and the scheduler reads it
-with a plain asyncio stream (services/scheduler/step_stream.py).
+Two streams have one. A worker's step socket carries the scheduler's Execute stream (rounds
+in, each step's tokens out: services/worker/step_socket.py), and the scheduler's carries each
+frontend's Connect stream (adds and aborts in, each step's updates out:
+services/scheduler/step_socket.py); the dialing end is shared/step_dial.py.
+
+Why: at one stream of a small model every decode step is one message on each hop, and over
+gRPC aio that message costs a hand-off to gRPC's poller thread and back to the event loop on
+each side (~0.15 ms of a 0.68 ms served step on the worker's hop, README "Measured on
+2026-12-01 (third session)"), and gRPC costs ~170 us of CPU a message across both sides against
+~73 for the same protobuf on a plain socket (`python -m benchmarks.transport_bench`).
 
 A frame is a 4-byte little-endian payload length, a kind byte and the payload: `REQUEST` frames
-(an `ExecuteRequest`) go to the worker, `STEP` frames (an `ExecuteResponse`) come back, and the
-worker's last frame is one `END` (an `ExecuteStreamEnd`: the status Execute would have ended with).
+(an `ExecuteRequest` or a `ConnectRequest`) go to the server, `STEP` frames (an
+`ExecuteResponse` or a `ConnectResponse`) come back, and the server's last frame is one `END`
+(a `StreamEnd`: the status the gRPC call would have ended with).
 
 Both ends send an empty `HEARTBEAT` frame every `HEARTBEAT_INTERVAL_S` and give the stream up
 once nothing at all has come from the other for `SILENCE_TIMEOUT_S` (`keep_alive`): what gRPC's
-keepalive pings did for Execute. A stopped or unplugged worker's kernel may still accept and
-acknowledge bytes, so only the peer's own frames tell that it lives; and a worker must let go of
-a scheduler that vanished, or it would refuse the next one's stream as "another stream is active".
-The same messages as Execute, so everything else about a round is unchanged. gRPC stays for
-GetWorkerInfo (which tells the step socket's port), health and TLS: with internal TLS the worker
-offers no step socket and steps go over Execute.
+keepalive pings did. A stopped or unplugged peer's kernel may still accept and acknowledge
+bytes, so only the peer's own frames tell that it lives; and a server must let go of a client
+that vanished (a worker would refuse the next scheduler's stream as "another stream is active";
+a scheduler aborts the requests of a frontend that is gone). The messages are the gRPC stream's,
+so everything else is unchanged. gRPC stays for the info calls (which tell the step socket's
+port), health and TLS: with internal TLS no step socket is offered and the streams run on gRPC.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from shared.pb.spindle.v1 import worker_pb2
+from shared.pb.spindle.v1 import common_pb2
 
 HEADER = struct.Struct("<IB")
 REQUEST, STEP, END, HEARTBEAT = 1, 2, 3, 4
@@ -54,12 +57,12 @@ def frame(kind: int, payload: bytes) -> bytes:
 
 
 def end_frame(code: grpc.StatusCode, message: str = "") -> bytes:
-    return frame(END, worker_pb2.ExecuteStreamEnd(code=code.value[0], message=message).SerializeToString())
+    return frame(END, common_pb2.StreamEnd(code=code.value[0], message=message).SerializeToString())
 
 
 def parse_end(payload: bytes) -> tuple[grpc.StatusCode, str]:
     """(status, message) of an `END` frame's payload; an unknown code reads as UNKNOWN."""
-    end = worker_pb2.ExecuteStreamEnd.FromString(payload)
+    end = common_pb2.StreamEnd.FromString(payload)
     return _STATUS_BY_CODE.get(end.code, grpc.StatusCode.UNKNOWN), end.message
 
 

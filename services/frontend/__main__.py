@@ -26,6 +26,7 @@ from shared.service_flags import (
     public_tls_from_args,
 )
 from shared.startup_heap import freeze_startup_heap
+from shared.step_dial import STEP_TRANSPORTS
 from shared.tracing import Tracing
 
 
@@ -63,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-store", default=_env("STATE_STORE", "memory"),
                         help="where rate-limit counters live: memory, or redis://host:port/db to share them "
                              "between replicas [SPINDLE_STATE_STORE]")
+    parser.add_argument("--step-transport", choices=STEP_TRANSPORTS, default=_env("STEP_TRANSPORT", "socket"),
+                        help="socket: stream requests and their updates on the scheduler's step socket where it "
+                             "offers one (less CPU a token than gRPC; never with --internal-tls); grpc: always "
+                             "gRPC's Connect [SPINDLE_STEP_TRANSPORT]")
     add_observability_arguments(parser)
     add_cpu_cores_argument(parser)
     add_api_key_arguments(parser)
@@ -90,6 +95,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         api_keys=api_keys_from_args(args),
         tls=public_tls_from_args(args),
         internal_tls=internal_tls_from_args(args),
+        step_transport=args.step_transport,
     )
 
 

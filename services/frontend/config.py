@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from services.frontend.limits import RequestLimits
 from shared.api_keys import ApiKeys
+from shared.step_dial import STEP_TRANSPORTS
 from shared.tls import TlsFiles
 
 
@@ -35,6 +36,8 @@ class FrontendConfig:
         api_keys: keys (hashed) every route but health requires; empty: no authentication.
         tls: certificate and key served on the public HTTP and gRPC ports; None: plaintext.
         internal_tls: mutual TLS to the scheduler; None: plaintext.
+        step_transport: "socket": the Connect stream runs on the scheduler's step socket where it
+            offers one (shared/step_frames.py; never with internal_tls); "grpc": always on gRPC.
     """
 
     model: str
@@ -56,6 +59,7 @@ class FrontendConfig:
     api_keys: ApiKeys = ApiKeys()
     tls: TlsFiles | None = None
     internal_tls: TlsFiles | None = None
+    step_transport: str = "socket"
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -78,6 +82,8 @@ class FrontendConfig:
             raise ValueError(f"shutdown_grace_s={self.shutdown_grace_s} must not be negative")
         if self.tokenizer_threads < 1:
             raise ValueError(f"tokenizer_threads={self.tokenizer_threads} must be at least 1")
+        if self.step_transport not in STEP_TRANSPORTS:
+            raise ValueError(f"step_transport={self.step_transport!r} must be one of {STEP_TRANSPORTS}")
         if ":" not in self.scheduler_addr:
             raise ValueError(f"scheduler_addr={self.scheduler_addr!r} must be host:port")
 

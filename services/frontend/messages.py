@@ -46,6 +46,7 @@ class SchedulerInfo:
     mm_tokens_per_item: int = 0  # feature tokens per image; 0: the model takes no images
     limit_mm_per_prompt: int = 0  # most images per request
     normalizes_embeddings: bool = False  # the scheduler passes AddRequest.normalize to its workers
+    step_port: int = 0  # the scheduler's step socket (shared/step_frames.py); 0: Connect over gRPC only
 
     @property
     def max_total_tokens(self) -> int:

@@ -8,6 +8,10 @@ workers are ready) and re-submits every unfinished request with the output token
 already received, so the scheduler recomputes from there and streams only what follows; no
 token is sent twice or lost. Requests fail with UNAVAILABLE only if no scheduler comes back
 within `resume_timeout_s`.
+
+The stream runs on the scheduler's step socket where it offers one (shared/step_frames.py:
+the same messages without gRPC, a fraction of the CPU a step), else, with internal TLS, or
+when the socket cannot be reached, on gRPC's Connect. GetSchedulerInfo stays on gRPC.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from shared.errors import InvalidArgumentError, UnavailableError
 from shared.grpc_channel import open_channel
 from shared.metrics import seconds_since_unix_ns
 from shared.pb.spindle.v1 import scheduler_pb2, scheduler_pb2_grpc
+from shared.step_dial import StepSocketUnreachableError, dial, step_socket_host
 from shared.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
@@ -113,9 +118,12 @@ class SchedulerClient:
     """Owns the Connect stream; `submit` requests, `get_info` for the served model's limits."""
 
     def __init__(self, address: str, backoff_initial_s: float = 0.05, backoff_max_s: float = 5.0,
-                 info_timeout_s: float = 5.0, resume_timeout_s: float = 120.0, tls: TlsFiles | None = None) -> None:
+                 info_timeout_s: float = 5.0, resume_timeout_s: float = 120.0, tls: TlsFiles | None = None,
+                 step_socket: bool = True) -> None:
         self.address = address
         self._tls = tls  # mutual TLS to the scheduler; None: plaintext
+        # Where the scheduler's step socket is dialed (None: never, the stream is gRPC's Connect).
+        self._step_host = step_socket_host(address) if step_socket and tls is None else None
         self._resume_timeout_s = resume_timeout_s
         self._submitted: dict[str, AddRequest] = {}  # live requests as first submitted
         self._connection_generation = 0
@@ -283,26 +291,26 @@ class SchedulerClient:
                 stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
                 info = await self._wait_until_ready(stub)
                 outbox: asyncio.Queue[scheduler_pb2.ConnectRequest | None] = asyncio.Queue()
-                call = stub.Connect(_drain(outbox))
                 self._outbox, self._info = outbox, info
                 self._connection_generation += 1
                 self._resubmit()
                 self._flush()  # the re-submissions, then the marker saying they are all there
                 outbox.put_nowait(wire.resubmitted_to_proto(self.frontend_id))
                 self._set_ready(True)
-                logger.info("connected to the scheduler at %s: model %s, max_model_len %d, %d worker(s)",
-                            self.address, info.model_id, info.max_model_len, info.num_workers)
+                logger.info("connected to the scheduler at %s: model %s, max_model_len %d, %d worker(s); "
+                            "requests stream over %s", self.address, info.model_id, info.max_model_len,
+                            info.num_workers, f"its step socket (port {info.step_port})"
+                            if self._step_host is not None and info.step_port else "gRPC")
                 backoff = self._backoff_initial_s
                 poller = asyncio.create_task(self._follow_info(stub), name="scheduler-info")
                 try:
-                    async for response in call:
-                        self._dispatch(response)
+                    broke = await self._stream(stub, info, outbox)
                 finally:
                     poller.cancel()
-                self._log_lost("the scheduler at %s closed the stream", self.address)
-            except grpc.aio.AioRpcError as exc:
-                self._log_lost("the stream to the scheduler at %s broke: %s %s", self.address,
-                               exc.code().name, exc.details())
+                if broke is None:
+                    self._log_lost("the scheduler at %s closed the stream", self.address)
+                else:
+                    self._log_lost("the stream to the scheduler at %s broke: %s", self.address, broke)
             finally:
                 if self._outbox is not None:
                     self._outbox.put_nowait(None)
@@ -317,6 +325,30 @@ class SchedulerClient:
                 await channel.close()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self._backoff_max_s)
+
+    async def _stream(self, stub: scheduler_pb2_grpc.SchedulerServiceStub, info: SchedulerInfo,
+                      outbox: asyncio.Queue[scheduler_pb2.ConnectRequest | None]) -> str | None:
+        """Run the Connect stream until it ends: None where the scheduler closed it, else how it broke."""
+        if self._step_host is not None and info.step_port:
+            try:
+                ended = await dial(self._step_host, info.step_port, outbox, _encode, self._dispatch_payload,
+                                   "scheduler")
+            except StepSocketUnreachableError as exc:
+                logger.warning("the scheduler's %s; this stream goes over gRPC", exc)
+            else:
+                if ended.closed:
+                    return None
+                return ended.why if ended.code is None else f"{ended.code.name} {ended.why}"
+        call = stub.Connect(_drain(outbox))
+        try:
+            async for response in call:
+                self._dispatch(response)
+        except grpc.aio.AioRpcError as exc:
+            return f"{exc.code().name} {exc.details()}"
+        return None
+
+    def _dispatch_payload(self, payload: bytes) -> None:
+        self._dispatch(scheduler_pb2.ConnectResponse.FromString(payload))
 
     @property
     def loss_level(self) -> int:
@@ -367,6 +399,10 @@ class SchedulerClient:
             self._ready.clear()
         for callback in self.on_ready_change:
             callback(ready)
+
+
+def _encode(message: scheduler_pb2.ConnectRequest) -> bytes:
+    return message.SerializeToString()
 
 
 async def _drain(outbox: asyncio.Queue[scheduler_pb2.ConnectRequest | None],

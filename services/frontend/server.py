@@ -45,7 +45,7 @@ class Frontend:
         telemetry = FrontendTelemetry(config.served_model_name, self.tracing, self.metrics, config.log_requests)
         self.tokenizer = Tokenizer(config.model, config.tokenizer_threads)
         self.scheduler = SchedulerClient(config.scheduler_addr, backoff_max_s=config.scheduler_backoff_max_s,
-                                         tls=config.internal_tls)
+                                         tls=config.internal_tls, step_socket=config.step_transport == "socket")
         self.scheduler.on_step_transit = self.metrics.step_transit.observe
         self.store = open_state_store(config.state_store)
         limiter = RateLimiter(self.store, config.rate_limit_rpm) if config.rate_limit_rpm else None

@@ -117,6 +117,7 @@ def info_from_proto(msg: scheduler_pb2.GetSchedulerInfoResponse) -> SchedulerInf
         mm_tokens_per_item=msg.mm_tokens_per_item,
         limit_mm_per_prompt=msg.limit_mm_per_prompt,
         normalizes_embeddings=msg.normalizes_embeddings,
+        step_port=msg.step_port,
     )
 
 

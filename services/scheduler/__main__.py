@@ -15,10 +15,11 @@ import sys
 from grpc_health.v1 import health_pb2
 
 from services.cpu_affinity import add_cpu_cores_argument
-from services.scheduler.config import DEFAULT_LISTEN, DEFAULT_WORKER_ADDRS, STEP_TRANSPORTS, SchedulerConfig
+from services.scheduler.config import DEFAULT_LISTEN, DEFAULT_WORKER_ADDRS, SchedulerConfig
 from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.servicer import SERVICE_NAME, register
+from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer, register
+from services.scheduler.step_socket import StepSocket
 from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.worker_client import WorkerClient
 from shared.grpc_server import start_grpc, wait_for_shutdown
@@ -31,6 +32,7 @@ from shared.service_flags import (
 )
 from shared.startup_heap import freeze_startup_heap
 from shared.state_store import open_state_store
+from shared.step_dial import STEP_TRANSPORTS
 from shared.tls import grpc_server_credentials
 from shared.tracing import Tracing
 
@@ -90,6 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="socket: stream each worker's steps on its step socket where it offers one (less CPU "
                              "a token than gRPC; never with --internal-tls); grpc: always gRPC's Execute "
                              "[SPINDLE_STEP_TRANSPORT]")
+    parser.add_argument("--step-port", type=int, default=int(_env("SCHEDULER_STEP_PORT", str(defaults.step_port))),
+                        help="TCP port of the scheduler's step socket, where frontends stream their requests "
+                             "and each step's updates without gRPC; 0: a free one, -1: none (not offered with "
+                             "--internal-tls) [SPINDLE_SCHEDULER_STEP_PORT]")
     parser.add_argument("--worker-ready-timeout-s", type=float,
                         default=float(_env("WORKER_READY_TIMEOUT_S", str(defaults.worker_ready_timeout_s))),
                         help="give up waiting for a worker after this long; 0: wait forever "
@@ -138,6 +144,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         metrics_port=metrics_port_from_args(args),
         internal_tls=internal_tls_from_args(args),
         step_transport=args.step_transport,
+        step_port=args.step_port,
         state_store=args.state_store,
         orphan_timeout_s=args.orphan_timeout_s,
         max_worker_failures=args.max_worker_failures,
@@ -158,8 +165,14 @@ async def serve(config: SchedulerConfig) -> None:
         logger.info("no request journal: the %r state store would not outlive this process", config.state_store)
     engine = EngineLoop(config, links, observer=SchedulerTelemetry(tracing, metrics),
                         store=store if store.outlives_process else None)
-    svc = await start_grpc(config.listen, lambda server: register(server, engine), [SERVICE_NAME],
+    servicer = SchedulerServicer(engine)
+    svc = await start_grpc(config.listen, lambda server: register(server, servicer), [SERVICE_NAME],
                            credentials=grpc_server_credentials(config.internal_tls))
+    step_socket = StepSocket(servicer)
+    if config.internal_tls is not None:
+        logger.info("no step socket: with internal TLS frontends connect over gRPC")
+    elif config.step_port >= 0:
+        servicer.step_port = await step_socket.start(config.listen.rsplit(":", 1)[0], config.step_port)
 
     def on_ready_change(ready: bool) -> None:
         """Health tells the truth: NOT_SERVING while no worker can serve."""
@@ -194,7 +207,8 @@ async def serve(config: SchedulerConfig) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await starter
         await engine.drain(config.shutdown_grace_s)
-        await engine.stop()
+        await engine.stop()  # ends every frontend's stream, on either transport
+        step_socket.close()
         await store.close()
         if metrics_server is not None:
             await metrics_server.stop()

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.step_dial import STEP_TRANSPORTS
 from shared.tls import TlsFiles
 
 DEFAULT_LISTEN = "0.0.0.0:50052"
 DEFAULT_WORKER_ADDRS = "127.0.0.1:50061"
-STEP_TRANSPORTS = ("socket", "grpc")
 # The smallest step-0 budget while requests decode: a few decoding streams still let a prompt
 # through in a handful of chunks instead of a few tokens per step. 32, not 64, since the few-rows
 # linear tiles made a decode step of 4-8 streams cheap (medium bf16, 8 streams: ~10 ms) beside a
@@ -62,6 +62,9 @@ class SchedulerConfig:
         internal_tls: mutual TLS for the SchedulerService and the channels to the workers; None: plaintext.
         step_transport: "socket": a worker's Execute stream runs on its step socket where it offers one
             (shared/step_frames.py; never with internal_tls); "grpc": always on gRPC's Execute.
+        step_port: port of the scheduler's own step socket, where frontends run their Connect
+            stream without gRPC, on the listen host; 0: a free one, -1: none (Connect on gRPC only).
+            With internal_tls there is none.
         max_worker_failures: a request that was on this many failing workers fails alone (it may
             be what makes them fail); others move to live workers.
         state_store: where accepted requests are journaled: "memory" or a redis:// URL.
@@ -90,6 +93,7 @@ class SchedulerConfig:
     metrics_port: int | None = None
     internal_tls: TlsFiles | None = None
     step_transport: str = "socket"
+    step_port: int = 0
     max_worker_failures: int = 3
     state_store: str = "memory"
     orphan_timeout_s: float = 60.0
@@ -122,5 +126,7 @@ class SchedulerConfig:
             raise ValueError(f"{self.orphan_timeout_s=} must be > 0")
         if self.step_transport not in STEP_TRANSPORTS:
             raise ValueError(f"{self.step_transport=} must be one of {STEP_TRANSPORTS}")
+        if not -1 <= self.step_port <= 65535:
+            raise ValueError(f"{self.step_port=} must be a TCP port, 0 (a free one) or -1 (none)")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"{self.metrics_port=} is not a TCP port")

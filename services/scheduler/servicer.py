@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -26,20 +27,48 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = "spindle.v1.SchedulerService"
 
 
+class StreamBrokenError(Exception):
+    """The transport under a Connect stream broke, or the frontend left it, while it was read (the
+    message says how); `expected` (a frontend that closed its connection) is logged as info."""
+
+    def __init__(self, message: str, expected: bool = False) -> None:
+        super().__init__(message)
+        self.expected = expected
+
+
+@dataclass
+class ConnectionOutcome:
+    """How a Connect stream must end: `failure` set, with UNAVAILABLE and that reason; else OK."""
+
+    failure: str | None = None
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(self, engine: EngineLoop) -> None:
         self.engine = engine
+        self.step_port = 0  # the step socket's port that GetSchedulerInfo announces (0: none)
 
     async def Connect(self, request_iterator: AsyncIterator[scheduler_pb2.ConnectRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.ConnectResponse]:
         """One StepUpdates per step out; adds and aborts in; unfinished requests aborted at the end."""
+        outcome = ConnectionOutcome()
+        async with contextlib.aclosing(self.serve_connection(_grpc_messages(request_iterator), outcome)) as responses:
+            async for response in responses:
+                yield response
+        if outcome.failure is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, outcome.failure)
+
+    async def serve_connection(self, messages: AsyncIterator[scheduler_pb2.ConnectRequest],
+                               outcome: ConnectionOutcome) -> AsyncIterator[scheduler_pb2.ConnectResponse]:
+        """One frontend's Connect stream, whatever carries it (gRPC, or the step socket): the responses
+        to send, then how the stream must end in `outcome`."""
         conn = self.engine.connect()
-        reader = asyncio.create_task(self._read(conn, request_iterator))
+        reader = asyncio.create_task(self._read(conn, messages))
         try:
             while (batch := await conn.outbox.get()) is not None:
                 yield wire.step_updates_to_proto(batch.updates, batch.sampled_unix_ns)
-            if reader.done() and (failure := reader.result()) is not None:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, failure)
+            if reader.done():
+                outcome.failure = reader.result()
         finally:
             reader.cancel()
             self.engine.disconnect(conn.id)
@@ -58,9 +87,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                     self.engine.drop_orphans_of(msg.resubmitted.frontend_id)
         except asyncio.CancelledError:
             raise
-        except grpc.aio.AioRpcError as exc:  # the stream broke under the reader
-            failure = f"reading the stream failed: {exc.code().name} {exc.details()}"
-            logger.warning("frontend connection %d: %s", conn.id, failure)
+        except StreamBrokenError as exc:
+            failure = f"reading the stream failed: {exc}"
+            logger.log(logging.INFO if exc.expected else logging.WARNING, "frontend connection %d: %s", conn.id,
+                       failure)
         except Exception as exc:
             failure = f"the scheduler failed reading this stream ({type(exc).__name__}: {exc}); reconnect"
             logger.exception("frontend connection %d: reader failed; ending the stream", conn.id)
@@ -93,7 +123,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     async def GetSchedulerInfo(self, request: scheduler_pb2.GetSchedulerInfoRequest,
                                context: grpc.aio.ServicerContext) -> scheduler_pb2.GetSchedulerInfoResponse:
-        return wire.info_to_proto(self.engine.info())
+        msg = wire.info_to_proto(self.engine.info())
+        msg.step_port = self.step_port
+        return msg
 
 
 def _reject(conn: FrontendConnection, request_id: str, kind: ErrorKind, message: str) -> None:
@@ -102,5 +134,15 @@ def _reject(conn: FrontendConnection, request_id: str, kind: ErrorKind, message:
     conn.outbox.put_nowait(StepUpdates([update]))
 
 
-def register(server: grpc.aio.Server, engine: EngineLoop) -> None:
-    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(SchedulerServicer(engine), server)
+async def _grpc_messages(request_iterator: AsyncIterator[scheduler_pb2.ConnectRequest],
+                         ) -> AsyncIterator[scheduler_pb2.ConnectRequest]:
+    """Connect's requests, with a broken call told as StreamBrokenError."""
+    try:
+        async for msg in request_iterator:
+            yield msg
+    except grpc.aio.AioRpcError as exc:
+        raise StreamBrokenError(f"{exc.code().name} {exc.details()}") from None
+
+
+def register(server: grpc.aio.Server, servicer: SchedulerServicer) -> None:
+    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)

@@ -19,19 +19,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from services.scheduler.step_stream import (
-    STREAM_CLOSED,
-    Outgoing,
-    StepSocketUnreachableError,
-    step_socket_host,
-    stream_steps,
-)
+from services.scheduler.step_stream import STREAM_CLOSED, Outgoing, stream_steps
 from services.scheduler.worker_link import OnFailure, OnOutput
 from shared.errors import UnavailableError
 from shared.execute import AbortRows, ExecuteRound, StepOutput, WorkerInfo
 from shared.execute_wire import execute_request_to_proto, step_from_proto, worker_info_from_proto
 from shared.grpc_channel import open_channel
 from shared.pb.spindle.v1 import worker_pb2, worker_pb2_grpc
+from shared.step_dial import StepSocketUnreachableError, step_socket_host
 from shared.tls import TlsFiles
 
 logger = logging.getLogger(__name__)

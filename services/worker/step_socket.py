@@ -39,6 +39,7 @@ from shared.step_frames import (
     frame,
     keep_alive,
 )
+from shared.step_listener import StepListener
 
 logger = logging.getLogger(__name__)
 
@@ -72,26 +73,13 @@ class StepSender:
         self._sock.close()
 
 
-class StepSocket:
+class StepSocket(StepListener):
     """Serves the step socket for `pipeline` on a TCP port beside the worker's gRPC one."""
 
     def __init__(self, pipeline: RoundPipeline, heartbeat_s: float = HEARTBEAT_INTERVAL_S,
                  silence_timeout_s: float = SILENCE_TIMEOUT_S) -> None:
+        super().__init__(heartbeat_s, silence_timeout_s)
         self._pipeline = pipeline
-        self._heartbeat_s = heartbeat_s
-        self._silence_timeout_s = silence_timeout_s
-        self._server: asyncio.Server | None = None
-
-    async def start(self, host: str, port: int) -> int:
-        """Listen on host:port (port 0: a free one); returns the port."""
-        self._server = await asyncio.start_server(self._serve, host.strip("[]"), port)
-        bound = self._server.sockets[0].getsockname()[1]
-        logger.info("step socket listening on %s:%d", host, bound)
-        return bound
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")

@@ -3,70 +3,25 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 import pytest
 
 from services.scheduler import wire
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.request import Request
-from services.scheduler.servicer import SERVICE_NAME, SchedulerServicer, register
+from services.scheduler.servicer import SchedulerServicer
 from services.scheduler.updates import RequestUpdate, UpdateSink
-from services.scheduler.worker_client import WorkerClient
 from shared.errors import ErrorKind
-from shared.grpc_server import GrpcService, start_grpc
-from shared.pb.spindle.v1 import scheduler_pb2, scheduler_pb2_grpc
+from shared.pb.spindle.v1 import scheduler_pb2
 from shared.sampling import SamplingOptions
-from shared.state_store import InMemoryStateStore, JournalBatch, StateStore
+from shared.state_store import InMemoryStateStore, JournalBatch
 from shared.types import StopReason
-from tests.scheduler.fake_worker import FakeWorker, reference_output
-from tests.scheduler.fake_worker_server import FakeWorkerServicer, start_fake_worker_server
-
-EOS_PERIOD = 10**9  # the fake model (practically) never samples EOS here
-
-
-@dataclass
-class Stack:
-    engine: EngineLoop
-    service: GrpcService
-    workers: list[FakeWorker]
-    worker_servers: list[grpc.aio.Server]
-    channel: grpc.aio.Channel
-    stub: scheduler_pb2_grpc.SchedulerServiceStub
-
-
-@contextlib.asynccontextmanager
-async def running_stack(store: StateStore | None = None, step_delay_s: float = 0.002) -> AsyncIterator[Stack]:
-    """Two fake workers (a step every `step_delay_s`) behind a real scheduler service; `store` holds its journal."""
-    workers = [FakeWorker(32, 4, eos_period=EOS_PERIOD, max_model_len=128) for _ in range(2)]
-    servers, links = [], []
-    for index, worker in enumerate(workers):
-        # The first worker is "still loading" for a few calls: the client must retry.
-        server, address = await start_fake_worker_server(
-            FakeWorkerServicer(worker, not_ready_calls=3 if index == 0 else 0, step_delay_s=step_delay_s))
-        servers.append(server)
-        links.append(WorkerClient(index, address, backoff_initial_s=0.01))
-    config = SchedulerConfig(worker_addresses=tuple(link.address for link in links), num_scheduler_steps=4)
-    engine = EngineLoop(config, links, store=store)
-    service = await start_grpc("127.0.0.1:0", lambda s: register(s, engine), [SERVICE_NAME])
-    starter = asyncio.create_task(engine.start())
-    channel = grpc.aio.insecure_channel(service.address)
-    try:
-        yield Stack(engine, service, workers, servers, channel, scheduler_pb2_grpc.SchedulerServiceStub(channel))
-    finally:
-        await channel.close()
-        starter.cancel()
-        await engine.stop()
-        await service.server.stop(0)
-        for server in servers:
-            await server.stop(0)
+from tests.scheduler.fake_worker import reference_output
+from tests.scheduler.scheduler_stack import EOS_PERIOD, Stack, make_request, running_stack, until, wait_ready
 
 
 @pytest.fixture
@@ -75,28 +30,8 @@ async def stack() -> AsyncIterator[Stack]:
         yield running
 
 
-async def _wait_ready(stub: scheduler_pb2_grpc.SchedulerServiceStub) -> scheduler_pb2.GetSchedulerInfoResponse:
-    for _ in range(200):
-        info = await stub.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest())
-        if info.ready:
-            return info
-        await asyncio.sleep(0.02)
-    raise AssertionError("scheduler never became ready")
-
-
-async def _until(predicate: object, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
-
-
-def _request(request_id: str, prompt: list[int], max_tokens: int) -> Request:
-    return Request(request_id, prompt, SamplingOptions(temperature=0.0, max_tokens=max_tokens))
-
-
 async def test_info_reports_ready_once_workers_answer(stack: Stack) -> None:
-    info = await _wait_ready(stack.stub)
+    info = await wait_ready(stack.stub)
     assert (info.model_id, info.num_workers, info.block_size, info.num_kv_blocks) == ("fake", 2, 4, 64)
     assert info.max_model_len == 128 and info.vocab_size == 64
     assert info.normalizes_embeddings  # frontends leave embeddings' normalisation to it (and its workers)
@@ -104,7 +39,7 @@ async def test_info_reports_ready_once_workers_answer(stack: Stack) -> None:
 
 
 async def test_connect_streams_step_updates_and_abort_frees_blocks(stack: Stack) -> None:
-    await _wait_ready(stack.stub)
+    await wait_ready(stack.stub)
     outbox: asyncio.Queue[scheduler_pb2.ConnectRequest | None] = asyncio.Queue()
 
     async def requests() -> AsyncIterator[scheduler_pb2.ConnectRequest]:
@@ -114,7 +49,7 @@ async def test_connect_streams_step_updates_and_abort_frees_blocks(stack: Stack)
     call = stack.stub.Connect(requests())
     prompts = {"a": [5, 6, 7, 8, 9], "b": [10, 11], "c": [12, 13, 14], "long": list(range(20, 40))}
     max_tokens = {"a": 12, "b": 20, "c": 6, "long": 90}
-    outbox.put_nowait(wire.add_requests_to_proto([_request(r, p, max_tokens[r]) for r, p in prompts.items()]))
+    outbox.put_nowait(wire.add_requests_to_proto([make_request(r, p, max_tokens[r]) for r, p in prompts.items()]))
     tokens: dict[str, list[int]] = {r: [] for r in prompts}
     finals: dict[str, RequestUpdate] = {}
     num_messages = 0
@@ -147,12 +82,12 @@ async def test_connect_streams_step_updates_and_abort_frees_blocks(stack: Stack)
             prompts[request_id], SamplingOptions(temperature=0.0, max_tokens=max_tokens[request_id]), 128, 64,
             EOS_PERIOD)
     assert num_messages < sum(len(t) for t in tokens.values()), "updates of one step share a message"
-    await _until(lambda: all(ws.kv is not None and ws.kv.num_free_blocks == ws.kv.num_blocks
+    await until(lambda: all(ws.kv is not None and ws.kv.num_free_blocks == ws.kv.num_blocks
                              for ws in scheduler.workers))
 
 
 async def test_closing_the_stream_aborts_the_frontends_requests(stack: Stack) -> None:
-    await _wait_ready(stack.stub)
+    await wait_ready(stack.stub)
     outbox: asyncio.Queue[scheduler_pb2.ConnectRequest] = asyncio.Queue()
 
     async def requests() -> AsyncIterator[scheduler_pb2.ConnectRequest]:
@@ -160,22 +95,22 @@ async def test_closing_the_stream_aborts_the_frontends_requests(stack: Stack) ->
             yield await outbox.get()
 
     call = stack.stub.Connect(requests())
-    outbox.put_nowait(wire.add_requests_to_proto([_request("x", [5, 6], 100), _request("y", [7], 100)]))
+    outbox.put_nowait(wire.add_requests_to_proto([make_request("x", [5, 6], 100), make_request("y", [7], 100)]))
     first = await call.read()
     assert first.step.updates
     scheduler = stack.engine.scheduler
     assert scheduler is not None and set(scheduler.requests) == {"x", "y"}
     call.cancel()
-    await _until(lambda: not scheduler.requests)
-    await _until(lambda: all(ws.kv is not None and ws.kv.num_free_blocks == ws.kv.num_blocks
+    await until(lambda: not scheduler.requests)
+    await until(lambda: all(ws.kv is not None and ws.kv.num_free_blocks == ws.kv.num_blocks
                              for ws in scheduler.workers))
     assert scheduler.stats().num_aborted == 2
 
 
 async def test_half_closed_stream_ends_after_its_requests_finish(stack: Stack) -> None:
-    info = await _wait_ready(stack.stub)
-    too_big = _request("big", [5] * 10, info.max_request_tokens)
-    messages = [wire.add_requests_to_proto([_request("z", [5, 6, 7], 5), too_big])]
+    info = await wait_ready(stack.stub)
+    too_big = make_request("big", [5] * 10, info.max_request_tokens)
+    messages = [wire.add_requests_to_proto([make_request("z", [5, 6, 7], 5), too_big])]
     updates = [wire.update_from_proto(u) async for m in stack.stub.Connect(iter(messages)) for u in m.step.updates]
     by_id: dict[str, list[RequestUpdate]] = {}
     for update in updates:
@@ -187,7 +122,7 @@ async def test_half_closed_stream_ends_after_its_requests_finish(stack: Stack) -
 
 
 async def test_failed_worker_moves_its_requests_to_the_live_worker(stack: Stack) -> None:
-    await _wait_ready(stack.stub)
+    await wait_ready(stack.stub)
     scheduler = stack.engine.scheduler
     assert scheduler is not None
     outbox: asyncio.Queue[scheduler_pb2.ConnectRequest] = asyncio.Queue()
@@ -197,7 +132,7 @@ async def test_failed_worker_moves_its_requests_to_the_live_worker(stack: Stack)
             yield await outbox.get()
 
     call = stack.stub.Connect(requests())
-    outbox.put_nowait(wire.add_requests_to_proto([_request("p", [5, 6], 100), _request("q", [7, 8], 100)]))
+    outbox.put_nowait(wire.add_requests_to_proto([make_request("p", [5, 6], 100), make_request("q", [7, 8], 100)]))
     tokens: dict[str, int] = {"p": 0, "q": 0}
     finished: dict[str, StopReason] = {}
     msg = await call.read()
@@ -220,8 +155,8 @@ async def test_failed_worker_moves_its_requests_to_the_live_worker(stack: Stack)
 
 
 async def test_deadline_aborts_a_running_request(stack: Stack) -> None:
-    await _wait_ready(stack.stub)
-    late = _request("late", [5, 6], 120)  # >= 120 steps x 2 ms: cannot finish before its deadline
+    await wait_ready(stack.stub)
+    late = make_request("late", [5, 6], 120)  # >= 120 steps x 2 ms: cannot finish before its deadline
     late.deadline_unix_s = time.time() + 0.1
     messages = [wire.add_requests_to_proto([late])]
     updates = [wire.update_from_proto(u) async for m in stack.stub.Connect(iter(messages)) for u in m.step.updates]
@@ -230,9 +165,9 @@ async def test_deadline_aborts_a_running_request(stack: Stack) -> None:
 
 
 async def test_step_messages_carry_the_time_the_worker_sampled_them(stack: Stack) -> None:
-    await _wait_ready(stack.stub)
+    await wait_ready(stack.stub)
     started = time.time_ns()
-    messages = [wire.add_requests_to_proto([_request("timed", [5, 6], 8)])]
+    messages = [wire.add_requests_to_proto([make_request("timed", [5, 6], 8)])]
     stamps = [m.step.sampled_unix_ns async for m in stack.stub.Connect(iter(messages))]
     assert stamps and all(started <= s <= time.time_ns() for s in stamps)  # every step's, from the worker
     assert stamps == sorted(stamps)
@@ -241,8 +176,8 @@ async def test_step_messages_carry_the_time_the_worker_sampled_them(stack: Stack
 async def test_a_deadline_is_kept_while_nothing_else_wakes_the_scheduler() -> None:
     # Workers that take 2 s a step: no output wakes the loop between steps; its timer must.
     async with running_stack(step_delay_s=2.0) as stack:
-        await _wait_ready(stack.stub)
-        late = _request("late", [5, 6], 120)
+        await wait_ready(stack.stub)
+        late = make_request("late", [5, 6], 120)
         late.deadline_unix_s = time.time() + 0.3
         started = time.monotonic()
         messages = [wire.add_requests_to_proto([late])]
@@ -276,9 +211,10 @@ async def _finals(call: grpc.aio.StreamStreamCall, count: int) -> dict[str, Requ
 
 
 async def test_a_request_that_cannot_be_read_fails_alone(stack: Stack) -> None:
-    await _wait_ready(stack.stub)
+    await wait_ready(stack.stub)
     call, outbox = _connect(stack)
-    message = wire.add_requests_to_proto([_request("a", [5, 6], 4), _request("bad", [7], 4), _request("b", [8], 4)])
+    message = wire.add_requests_to_proto([make_request("a", [5, 6], 4), make_request("bad", [7], 4),
+                                          make_request("b", [8], 4)])
     message.add.requests[1].kind = 99  # a kind this scheduler does not know
     outbox.put_nowait(message)
     finals = await _finals(call, 3)
@@ -290,7 +226,7 @@ async def test_a_request_that_cannot_be_read_fails_alone(stack: Stack) -> None:
 
 async def test_a_request_that_fails_while_being_added_fails_alone(stack: Stack,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
-    await _wait_ready(stack.stub)
+    await wait_ready(stack.stub)
     scheduler = stack.engine.scheduler
     assert scheduler is not None
     add_request = scheduler.add_request
@@ -302,24 +238,24 @@ async def test_a_request_that_fails_while_being_added_fails_alone(stack: Stack,
 
     scheduler.add_request = add_or_raise  # type: ignore[method-assign]
     call, outbox = _connect(stack)
-    outbox.put_nowait(wire.add_requests_to_proto([_request("a", [5, 6], 4), _request("boom", [7], 4),
-                                                  _request("b", [8], 4)]))
+    outbox.put_nowait(wire.add_requests_to_proto([make_request("a", [5, 6], 4), make_request("boom", [7], 4),
+                                                  make_request("b", [8], 4)]))
     finals = await _finals(call, 3)
     assert finals["boom"].error is not None and finals["boom"].error.kind is ErrorKind.INTERNAL
     assert finals["a"].stop_reason is StopReason.LENGTH and finals["b"].stop_reason is StopReason.LENGTH
     assert "adding request boom failed" in caplog.text
-    outbox.put_nowait(wire.add_requests_to_proto([_request("c", [9], 3)]))  # the stream still serves
+    outbox.put_nowait(wire.add_requests_to_proto([make_request("c", [9], 3)]))  # the stream still serves
     assert (await _finals(call, 1))["c"].stop_reason is StopReason.LENGTH
     call.cancel()
 
 
 async def test_a_reader_that_fails_ends_the_stream_loudly_and_aborts_its_requests(
         stack: Stack, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    await _wait_ready(stack.stub)
+    await wait_ready(stack.stub)
     scheduler = stack.engine.scheduler
     assert scheduler is not None
     call, outbox = _connect(stack)
-    outbox.put_nowait(wire.add_requests_to_proto([_request("long", [5, 6], 100)]))
+    outbox.put_nowait(wire.add_requests_to_proto([make_request("long", [5, 6], 100)]))
     await call.read()  # running
 
     def broken(*args: object) -> None:
@@ -327,14 +263,14 @@ async def test_a_reader_that_fails_ends_the_stream_loudly_and_aborts_its_request
 
     monkeypatch.setattr(SchedulerServicer, "_add", broken)
     with caplog.at_level(logging.ERROR):
-        outbox.put_nowait(wire.add_requests_to_proto([_request("next", [7], 4)]))
+        outbox.put_nowait(wire.add_requests_to_proto([make_request("next", [7], 4)]))
         with pytest.raises(grpc.aio.AioRpcError) as info:
             while True:
                 await asyncio.wait_for(call.read(), 10)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE, "the frontend must see the break and reconnect"
     assert "reconnect" in (info.value.details() or "")
     assert "reader failed" in caplog.text
-    await _until(lambda: not scheduler.requests)  # the connection's requests are aborted, blocks freed
+    await until(lambda: not scheduler.requests)  # the connection's requests are aborted, blocks freed
 
 
 async def test_a_reconnected_frontend_claims_its_journaled_requests_and_the_rest_are_dropped() -> None:
@@ -344,11 +280,11 @@ async def test_a_reconnected_frontend_claims_its_journaled_requests_and_the_rest
     store = InMemoryStateStore()
     added = {}
     for request_id, frontend_id in (("kept", "f1"), ("finished", "f1"), ("other", "f2")):
-        record = _request(request_id, [5, 6, 7], 4).to_dict() | {"frontend_id": frontend_id}
+        record = make_request(request_id, [5, 6, 7], 4).to_dict() | {"frontend_id": frontend_id}
         added[request_id] = json.dumps(record).encode()
     await store.write_journal(JournalBatch(added=added))
     async with running_stack(store) as stack:
-        await _wait_ready(stack.stub)
+        await wait_ready(stack.stub)
         assert stack.engine.num_orphans == 3
         outbox: asyncio.Queue[scheduler_pb2.ConnectRequest | None] = asyncio.Queue()
 
@@ -357,7 +293,7 @@ async def test_a_reconnected_frontend_claims_its_journaled_requests_and_the_rest
                 yield msg
 
         call = stack.stub.Connect(requests())
-        kept = _request("kept", [5, 6, 7], 4)
+        kept = make_request("kept", [5, 6, 7], 4)
         kept.is_resumed, kept.frontend_id = True, "f1"
         outbox.put_nowait(wire.add_requests_to_proto([kept]))
         outbox.put_nowait(scheduler_pb2.ConnectRequest(resubmitted=scheduler_pb2.Resubmitted(frontend_id="f1")))

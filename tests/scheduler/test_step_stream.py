@@ -8,16 +8,11 @@ from collections.abc import Awaitable, Callable
 import grpc
 import pytest
 
-from services.scheduler.step_stream import (
-    STREAM_CLOSED,
-    Outgoing,
-    StepSocketUnreachableError,
-    step_socket_host,
-    stream_steps,
-)
+from services.scheduler.step_stream import STREAM_CLOSED, Outgoing, stream_steps
 from shared.execute import ExecuteRound, StepOutput
 from shared.pb.spindle.v1 import worker_pb2
 from shared.ports import free_port
+from shared.step_dial import StepSocketUnreachableError, step_socket_host
 from shared.step_frames import HEARTBEAT, REQUEST, STEP, end_frame, frame, read_frame
 
 

@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-from shared.pb.spindle.v1 import worker_pb2
+from shared.pb.spindle.v1 import common_pb2, worker_pb2
 from shared.step_frames import END, HEADER, MAX_FRAME_BYTES, STEP, FrameError, end_frame, frame, parse_end, read_frame
 
 
@@ -41,5 +41,5 @@ async def test_a_cut_or_oversized_frame_is_an_error(data: bytes, error: str) -> 
 def test_an_end_frame_carries_the_status_and_an_unknown_code_reads_as_unknown() -> None:
     payload = end_frame(grpc.StatusCode.UNAVAILABLE, "busy")[HEADER.size:]
     assert parse_end(payload) == (grpc.StatusCode.UNAVAILABLE, "busy")
-    odd = worker_pb2.ExecuteStreamEnd(code=99, message="?").SerializeToString()
+    odd = common_pb2.StreamEnd(code=99, message="?").SerializeToString()
     assert parse_end(odd) == (grpc.StatusCode.UNKNOWN, "?")

@@ -477,7 +477,7 @@ spec:
 {{/*
 Ports of a component as a JSON list of {name, port}, for its containers and its Service alike:
 (dict "ctx" $ "component" "frontend"). `http` where the component has an httpPort, `grpc`,
-`steps` where it has a stepPort (a worker's step socket), and `metrics` while metrics are on.
+`steps` where it has a stepPort (a worker's or the scheduler's step socket), and `metrics` while metrics are on.
 */}}
 {{- define "spindle.ports" -}}
 {{- $v := index .ctx.Values .component }}

@@ -1,0 +1,115 @@
+"""The dialing end of a step socket (shared/step_frames.py says why and what), for any stream on one.
+
+Both streams that have a step socket are dialed the same way: the scheduler dials a worker's
+(Execute: rounds out, steps back) and a frontend dials the scheduler's (Connect: adds and aborts
+out, step updates back). `dial` runs one such stream until it ends: the outbox's items go out as
+REQUEST frames in order, each STEP frame's payload goes to `on_payload`, heartbeats flow both
+ways, and it returns how the stream ended. `None` in the outbox ends the dialer's side (the
+server then finishes what it was asked and ends with an END frame).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+
+from shared.step_frames import (
+    END,
+    HEARTBEAT_INTERVAL_S,
+    REQUEST,
+    SILENCE_TIMEOUT_S,
+    STEP,
+    FrameError,
+    FrameReader,
+    frame,
+    keep_alive,
+    parse_end,
+)
+
+Item = TypeVar("Item")
+
+STEP_TRANSPORTS = ("socket", "grpc")  # a client's choice: the step socket where offered, or always gRPC
+CONNECT_TIMEOUT_S = 5.0  # a port a firewall drops would otherwise take the kernel's ~2 min
+
+
+class StepSocketUnreachableError(ConnectionError):
+    """The server offered a step socket, but no connection to it could be made (nothing was sent)."""
+
+
+@dataclass(frozen=True)
+class StreamEnded:
+    """How a dialed stream ended: `code` from the server's END frame (None: no END came), and why in words."""
+
+    code: grpc.StatusCode | None
+    why: str
+
+    @property
+    def closed(self) -> bool:
+        """The server ended it with OK: everything the dialer asked for is done."""
+        return self.code == grpc.StatusCode.OK
+
+
+def step_socket_host(address: str) -> str | None:
+    """The host of a plain `host:port` gRPC target (brackets of an IPv6 literal removed), else None
+    (a target with a scheme, such as dns:/// or unix:, is left to gRPC)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host or ":/" in address or address.startswith("unix:"):
+        return None
+    return host.strip("[]")
+
+
+async def dial(host: str, port: int, outbox: asyncio.Queue[Item | None], encode: Callable[[Item], bytes],
+               on_payload: Callable[[bytes], None], peer: str, heartbeat_s: float = HEARTBEAT_INTERVAL_S,
+               silence_timeout_s: float = SILENCE_TIMEOUT_S) -> StreamEnded:
+    """Run one stream on host:port until it ends (`peer` names the server in the words of the end).
+    An exception of `on_payload` propagates; StepSocketUnreachableError where no connection could
+    be made, with nothing taken from the outbox."""
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
+    except (OSError, TimeoutError) as exc:
+        raise StepSocketUnreachableError(f"step socket {host}:{port} unreachable ({exc!r})") from None
+    frames = FrameReader(reader)
+    silent: list[str] = []
+
+    async def watch() -> None:
+        silent.append(await keep_alive(writer.write, frames, heartbeat_s, silence_timeout_s))
+        writer.transport.abort()  # the read below ends
+
+    helpers = [asyncio.create_task(_send(writer, outbox, encode), name=f"step-socket-{host}:{port}-sender"),
+               asyncio.create_task(watch(), name=f"step-socket-{host}:{port}-heartbeat")]
+    try:
+        ended = await _read(frames, on_payload, peer)
+    except (OSError, FrameError) as exc:
+        ended = StreamEnded(None, f"step socket broke ({type(exc).__name__}: {exc})")
+    finally:
+        for task in helpers:
+            task.cancel()
+        writer.close()
+    return StreamEnded(None, f"the {peer} went silent ({silent[0]})") if silent else ended
+
+
+async def _read(frames: FrameReader, on_payload: Callable[[bytes], None], peer: str) -> StreamEnded:
+    while (item := await frames.read()) is not None:
+        kind, payload = item
+        if kind == STEP:
+            on_payload(payload)
+        elif kind == END:
+            return StreamEnded(*parse_end(payload))
+        else:
+            raise FrameError(f"frame kind {kind} where a step ({STEP}) or the end ({END}) was expected")
+    return StreamEnded(None, f"the {peer} closed its step socket without ending the stream")
+
+
+async def _send(writer: asyncio.StreamWriter, outbox: asyncio.Queue[Item | None],
+                encode: Callable[[Item], bytes]) -> None:
+    """Writes the outbox's items in order; at None, ends the dialer's side."""
+    with contextlib.suppress(OSError):  # the connection broke: the reading side reports it
+        while (item := await outbox.get()) is not None:
+            writer.write(frame(REQUEST, encode(item)))
+            await writer.drain()
+        writer.write_eof()
