@@ -6,6 +6,7 @@ Parse the body (typed field access from openai_protocol), one PoolingClient call
 from __future__ import annotations
 
 import base64
+import json
 import time
 import uuid
 
@@ -21,10 +22,22 @@ from shared.errors import InvalidArgumentError
 
 POOLING = web.AppKey("pooling", PoolingClient)
 
-# How /v1/embeddings encodes each vector.
+
+
+def float32_json_array(vector: list[float]) -> str:
+    """A vector of float32 values (the worker's output) as a JSON array, each value in 9 significant
+    digits: enough to give back every float32 exactly, and written in under half the time json
+    spends on the 17-digit float64 repr (384 values: ~70 against ~165 us, a fifth of a
+    frontend's CPU per one-sentence request). NaN and infinities, which JSON cannot spell, go
+    through json as json writes them."""
+    text = ",".join([f"{value:.9g}" for value in vector])
+    return f"[{text}]" if "n" not in text else json.dumps(vector)  # only nan and inf hold an "n"
+
+
+# How /v1/embeddings encodes each vector: as a JSON fragment.
 ENCODINGS = {
-    "float": lambda vector: vector,
-    "base64": lambda vector: base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode(),
+    "float": float32_json_array,
+    "base64": lambda vector: json.dumps(base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()),
 }
 
 
@@ -66,9 +79,11 @@ async def embeddings(request: web.Request) -> web.Response:
     embed.api_key_id = api_key_id(request)
     result = await request.app[POOLING].embed(embed)
     encode = ENCODINGS[encoding]
-    data = [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(result.vectors)]
-    return web.json_response({"object": "list", "data": data, "model": request.app[POOLING].model_name,
-                              "usage": _usage(result.usage)})
+    data = ",".join(f'{{"object":"embedding","index":{i},"embedding":{encode(v)}}}'
+                    for i, v in enumerate(result.vectors))
+    model, usage = json.dumps(request.app[POOLING].model_name), json.dumps(_usage(result.usage))
+    return web.Response(text=f'{{"object":"list","data":[{data}],"model":{model},"usage":{usage}}}',
+                        content_type="application/json")
 
 
 def _texts(body: JsonObject, name: str) -> list[str]:

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import aiohttp
 import grpc
+import numpy as np
 import pytest
 from openai import AsyncOpenAI
 
+from services.frontend.openai_pooling import float32_json_array
 from services.frontend.pooling import model_normalizes, rank
 from services.frontend.server import Frontend
 from shared.pb.spindle.v1 import common_pb2, generation_pb2_grpc
@@ -194,3 +196,13 @@ async def test_http_score_and_rerank(frontend: Frontend) -> None:
             async with session.post(url + path, json=body) as r:
                 assert r.status == 400
                 assert message in (await r.json())["error"]["message"]
+
+
+def test_float_embeddings_are_written_short_and_read_back_as_the_same_float32_values() -> None:
+    rng = np.random.default_rng(0)
+    vector = np.concatenate([rng.standard_normal(380), [1e-38, -3.4e38, 0.0, 1.0]]).astype(np.float32)
+    text = float32_json_array([float(v) for v in vector])
+    assert np.array_equal(np.array(json.loads(text), dtype=np.float32), vector)  # every value exactly
+    assert len(text) < len(json.dumps([float(v) for v in vector]))
+    # JSON has no spelling for these: json's own (as json.dumps wrote the whole response before).
+    assert float32_json_array([1.0, math.nan, math.inf]) == "[1.0, NaN, Infinity]"
