@@ -123,10 +123,11 @@ class EngineLoop:
 
     # ---- frontends ----
 
-    def connect(self) -> FrontendConnection:
+    def connect(self, transport: str = "gRPC") -> FrontendConnection:
+        """A frontend's stream began; `transport` (what carries it) is for the log."""
         conn = FrontendConnection(next(self._connection_ids))
         self._connections[conn.id] = conn
-        logger.info("frontend connection %d opened", conn.id)
+        logger.info("frontend connection %d opened (%s)", conn.id, transport)
         return conn
 
     def disconnect(self, connection_id: int) -> None:

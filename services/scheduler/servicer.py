@@ -52,17 +52,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                       context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.ConnectResponse]:
         """One StepUpdates per step out; adds and aborts in; unfinished requests aborted at the end."""
         outcome = ConnectionOutcome()
-        async with contextlib.aclosing(self.serve_connection(_grpc_messages(request_iterator), outcome)) as responses:
+        messages = _grpc_messages(request_iterator)
+        async with contextlib.aclosing(self.serve_connection(messages, outcome, "gRPC")) as responses:
             async for response in responses:
                 yield response
         if outcome.failure is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, outcome.failure)
 
     async def serve_connection(self, messages: AsyncIterator[scheduler_pb2.ConnectRequest],
-                               outcome: ConnectionOutcome) -> AsyncIterator[scheduler_pb2.ConnectResponse]:
-        """One frontend's Connect stream, whatever carries it (gRPC, or the step socket): the responses
-        to send, then how the stream must end in `outcome`."""
-        conn = self.engine.connect()
+                               outcome: ConnectionOutcome, transport: str,
+                               ) -> AsyncIterator[scheduler_pb2.ConnectResponse]:
+        """One frontend's Connect stream, whatever carries it (`transport`: gRPC, or the step socket):
+        the responses to send, then how the stream must end in `outcome`."""
+        conn = self.engine.connect(transport)
         reader = asyncio.create_task(self._read(conn, messages))
         try:
             while (batch := await conn.outbox.get()) is not None:

@@ -76,7 +76,8 @@ class StepSocket(StepListener):
         """Serve the Connect stream until it ends, then send the END frame."""
         outcome = ConnectionOutcome()
         try:
-            async with contextlib.aclosing(self._servicer.serve_connection(_messages(frames), outcome)) as responses:
+            connection = self._servicer.serve_connection(_messages(frames), outcome, f"step socket, from {peer}")
+            async with contextlib.aclosing(connection) as responses:
                 async for response in responses:  # closed on the way out: the connection's requests end with it
                     writer.write(frame(STEP, response.SerializeToString()))
                     await writer.drain()

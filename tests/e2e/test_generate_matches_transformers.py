@@ -182,8 +182,9 @@ def assert_equal_up_to_bf16_near_ties(model_dir: Path, jobs: list[tuple[list[int
 
 
 def test_steps_over_grpc_match_transformers(tiny_models: dict[str, Path]) -> None:
-    """--step-transport grpc (what runs with --internal-tls) streams the same greedy tokens as the
-    workers' step sockets, which every other test here uses (the default)."""
+    """--step-transport grpc (what runs with --internal-tls: frontends' Connect and workers' Execute
+    on gRPC) streams the same greedy tokens as the step sockets, which every other test here uses
+    (the default)."""
     model_dir = tiny_models["llama"]
     jobs = workload(seed=41)
     expected = [greedy_tokens(model_dir, p, n) for p, n in jobs]
