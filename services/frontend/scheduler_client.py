@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from services.frontend import wire
 from services.frontend.messages import AddRequest, RequestUpdate, SchedulerInfo
@@ -335,6 +336,8 @@ class SchedulerClient:
                                    "scheduler")
             except StepSocketUnreachableError as exc:
                 logger.warning("the scheduler's %s; this stream goes over gRPC", exc)
+            except DecodeError as exc:  # a step message that cannot be read: reconnect, as when the stream breaks
+                return f"a step message could not be read ({exc})"
             else:
                 if ended.closed:
                     return None

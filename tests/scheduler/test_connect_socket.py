@@ -142,8 +142,9 @@ async def test_a_silent_frontend_is_given_up_and_its_requests_aborted(caplog: py
 class _Relay:
     """A TCP relay to the scheduler's step socket that the test can cut, and that counts its connections."""
 
-    def __init__(self, target_port: int) -> None:
+    def __init__(self, target_port: int, corrupt_first: bool = False) -> None:
         self._target_port = target_port
+        self._corrupt_first = corrupt_first  # the first connection gets one unreadable step, then ends
         self._writers: list[asyncio.StreamWriter] = []
         self.num_connections = 0
         self._server: asyncio.Server | None = None
@@ -154,6 +155,11 @@ class _Relay:
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.num_connections += 1
+        if self._corrupt_first and self.num_connections == 1:
+            writer.write(frame(STEP, b"\xff\xff\xff"))
+            await reader.read(1 << 16)  # the client's first requests, or its end
+            writer.close()
+            return
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._target_port)
         self._writers += [writer, up_writer]
 
@@ -225,3 +231,21 @@ async def test_the_frontends_client_falls_back_to_grpc_where_the_socket_cannot_b
         finally:
             await client.close()
     assert "unreachable" in caplog.text and "this stream goes over gRPC" in caplog.text
+
+
+async def test_the_frontends_client_reconnects_after_a_step_message_it_cannot_read(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async with running_stack() as stack:
+        relay = _Relay(stack.step_port, corrupt_first=True)
+        stack.servicer.step_port = await relay.start()
+        client = SchedulerClient(stack.service.address, backoff_initial_s=0.01)
+        client.start()
+        try:
+            await client.wait_ready(10)
+            async with asyncio.timeout(20):
+                assert await _generate(client, "r", [5, 6], 10) == _expected([5, 6], 10)
+            assert relay.num_connections == 2
+        finally:
+            await client.close()
+            relay.close()
+    assert "a step message could not be read" in caplog.text
