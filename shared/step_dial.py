@@ -4,8 +4,9 @@ Both streams that have a step socket are dialed the same way: the scheduler dial
 (Execute: rounds out, steps back) and a frontend dials the scheduler's (Connect: adds and aborts
 out, step updates back). `dial` runs one such stream until it ends: the outbox's items go out as
 REQUEST frames in order, each STEP frame's payload goes to `on_payload`, heartbeats flow both
-ways, and it returns how the stream ended. `None` in the outbox ends the dialer's side (the
-server then finishes what it was asked and ends with an END frame).
+ways, and it returns how the stream ended. `None` in the outbox ends the dialer's side: a worker
+then finishes its rounds and ends with an END frame, while the scheduler takes a frontend that
+ends its side as gone (services/scheduler/step_socket.py).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class StreamEnded:
 
     @property
     def closed(self) -> bool:
-        """The server ended it with OK: everything the dialer asked for is done."""
+        """The server ended it with OK: it closed the stream in order (a worker after the dialer's
+        end and its last round; a scheduler that stops, whose frontends then re-submit)."""
         return self.code == grpc.StatusCode.OK
 
 

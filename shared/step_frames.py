@@ -104,13 +104,18 @@ HEARTBEAT_FRAME = frame(HEARTBEAT, b"")
 
 async def keep_alive(send: Callable[[bytes], Awaitable[None] | None], frames: FrameReader,
                      interval_s: float = HEARTBEAT_INTERVAL_S, timeout_s: float = SILENCE_TIMEOUT_S) -> str:
-    """Send a heartbeat every `interval_s` until the peer has sent nothing for `timeout_s`; why it ended."""
+    """Send a heartbeat every `interval_s` until the peer has sent nothing for `timeout_s`; why it ended.
+
+    Once this side has ended its half of the stream (asyncio's writer after `write_eof` raises
+    RuntimeError), no more heartbeats go out, but the peer's silence is still watched."""
+    sending = True
     while True:
         await asyncio.sleep(interval_s)
         try:
-            sent = send(HEARTBEAT_FRAME)
-            if sent is not None:
+            if sending and (sent := send(HEARTBEAT_FRAME)) is not None:
                 await sent
+        except RuntimeError:  # this side's half is closed: the peer finishes without our heartbeats
+            sending = False
         except OSError as exc:
             return f"a heartbeat could not be sent ({exc})"
         if (silent_s := time.monotonic() - frames.last_frame_at) > timeout_s:

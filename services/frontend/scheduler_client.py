@@ -26,7 +26,6 @@ from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from services.frontend import wire
 from services.frontend.messages import AddRequest, RequestUpdate, SchedulerInfo
@@ -40,6 +39,7 @@ from shared.tls import TlsFiles
 logger = logging.getLogger(__name__)
 
 _PROGRESS_LOG_INTERVAL_S = 10.0
+_STABLE_STREAM_S = 1.0  # a stream that lasted this long resets the reconnect backoff
 _INFO_INTERVAL_S = 1.0
 
 
@@ -302,12 +302,14 @@ class SchedulerClient:
                             "requests stream over %s", self.address, info.model_id, info.max_model_len,
                             info.num_workers, f"its step socket (port {info.step_port})"
                             if self._step_host is not None and info.step_port else "gRPC")
-                backoff = self._backoff_initial_s
                 poller = asyncio.create_task(self._follow_info(stub), name="scheduler-info")
+                started = time.monotonic()
                 try:
                     broke = await self._stream(stub, info, outbox)
                 finally:
                     poller.cancel()
+                if time.monotonic() - started >= _STABLE_STREAM_S:
+                    backoff = self._backoff_initial_s  # a stream that ends at once keeps backing off
                 if broke is None:
                     self._log_lost("the scheduler at %s closed the stream", self.address)
                 else:
@@ -336,8 +338,8 @@ class SchedulerClient:
                                    "scheduler")
             except StepSocketUnreachableError as exc:
                 logger.warning("the scheduler's %s; this stream goes over gRPC", exc)
-            except DecodeError as exc:  # a step message that cannot be read: reconnect, as when the stream breaks
-                return f"a step message could not be read ({exc})"
+            except Exception as exc:  # a step message that cannot be read or applied: reconnect, re-submit
+                return _unhandled_step(exc)
             else:
                 if ended.closed:
                     return None
@@ -348,6 +350,8 @@ class SchedulerClient:
                 self._dispatch(response)
         except grpc.aio.AioRpcError as exc:
             return f"{exc.code().name} {exc.details()}"
+        except Exception as exc:
+            return _unhandled_step(exc)
         return None
 
     def _dispatch_payload(self, payload: bytes) -> None:
@@ -402,6 +406,13 @@ class SchedulerClient:
             self._ready.clear()
         for callback in self.on_ready_change:
             callback(ready)
+
+
+def _unhandled_step(exc: Exception) -> str:
+    """Log a step message the client could not read or apply; why its stream ends (the client then
+    reconnects and re-submits, rather than stopping and leaving every request waiting)."""
+    logger.exception("a step message from the scheduler could not be handled; reconnecting")
+    return f"a step message could not be handled ({type(exc).__name__}: {exc})"
 
 
 def _encode(message: scheduler_pb2.ConnectRequest) -> bytes:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -119,7 +120,13 @@ class EngineLoop:
             logger.error("could not write the last journal batch: %s", exc)
 
     def info(self) -> SchedulerInfo:
-        return self.scheduler.info() if self.scheduler is not None else SchedulerInfo(ready=False)
+        """The scheduler's description; not ready while it drains or stops, so that a frontend whose
+        stream ended waits for the next scheduler rather than re-submitting to this one (which would
+        refuse every request as shutting down)."""
+        if self.scheduler is None:
+            return SchedulerInfo(ready=False)
+        info = self.scheduler.info()
+        return dataclasses.replace(info, ready=False) if self._draining or self._stopping else info
 
     # ---- frontends ----
 

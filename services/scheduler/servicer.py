@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -61,7 +61,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     async def serve_connection(self, messages: AsyncIterator[scheduler_pb2.ConnectRequest],
                                outcome: ConnectionOutcome, transport: str,
-                               ) -> AsyncIterator[scheduler_pb2.ConnectResponse]:
+                               ) -> AsyncGenerator[scheduler_pb2.ConnectResponse, None]:
         """One frontend's Connect stream, whatever carries it (`transport`: gRPC, or the step socket):
         the responses to send, then how the stream must end in `outcome`."""
         conn = self.engine.connect(transport)

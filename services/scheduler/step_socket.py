@@ -86,6 +86,11 @@ class StepSocket(StepListener):
             await writer.drain()
         except OSError as exc:
             logger.info("step stream from %s closed by the peer (%s)", peer, exc)
+        except Exception as exc:  # a bug in building a step message: end this stream, loudly; the frontend re-submits
+            logger.exception("step stream from %s failed; ending it", peer)
+            with contextlib.suppress(OSError):
+                writer.write(end_frame(grpc.StatusCode.UNAVAILABLE, f"the scheduler failed on this stream: {exc}"))
+                await writer.drain()
 
 
 async def _messages(frames: FrameReader) -> AsyncIterator[scheduler_pb2.ConnectRequest]:

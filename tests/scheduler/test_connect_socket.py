@@ -142,9 +142,9 @@ async def test_a_silent_frontend_is_given_up_and_its_requests_aborted(caplog: py
 class _Relay:
     """A TCP relay to the scheduler's step socket that the test can cut, and that counts its connections."""
 
-    def __init__(self, target_port: int, corrupt_first: bool = False) -> None:
+    def __init__(self, target_port: int, bad_steps: tuple[bytes, ...] = ()) -> None:
         self._target_port = target_port
-        self._corrupt_first = corrupt_first  # the first connection gets one unreadable step, then ends
+        self._bad_steps = bad_steps  # the first connections each get one of these as a step, then end
         self._writers: list[asyncio.StreamWriter] = []
         self.num_connections = 0
         self._server: asyncio.Server | None = None
@@ -155,8 +155,8 @@ class _Relay:
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.num_connections += 1
-        if self._corrupt_first and self.num_connections == 1:
-            writer.write(frame(STEP, b"\xff\xff\xff"))
+        if self.num_connections <= len(self._bad_steps):
+            writer.write(frame(STEP, self._bad_steps[self.num_connections - 1]))
             await reader.read(1 << 16)  # the client's first requests, or its end
             writer.close()
             return
@@ -233,10 +233,12 @@ async def test_the_frontends_client_falls_back_to_grpc_where_the_socket_cannot_b
     assert "unreachable" in caplog.text and "this stream goes over gRPC" in caplog.text
 
 
-async def test_the_frontends_client_reconnects_after_a_step_message_it_cannot_read(
+async def test_the_frontends_client_reconnects_after_a_step_message_it_cannot_handle(
         caplog: pytest.LogCaptureFixture) -> None:
+    unknown_stop = scheduler_pb2.ConnectResponse(step=scheduler_pb2.StepUpdates(updates=[
+        scheduler_pb2.RequestUpdate(request_id="r", token_ids=[7], stop_reason=99)]))  # no such StopReason
     async with running_stack() as stack:
-        relay = _Relay(stack.step_port, corrupt_first=True)
+        relay = _Relay(stack.step_port, bad_steps=(b"\xff\xff\xff", unknown_stop.SerializeToString()))
         stack.servicer.step_port = await relay.start()
         client = SchedulerClient(stack.service.address, backoff_initial_s=0.01)
         client.start()
@@ -244,8 +246,15 @@ async def test_the_frontends_client_reconnects_after_a_step_message_it_cannot_re
             await client.wait_ready(10)
             async with asyncio.timeout(20):
                 assert await _generate(client, "r", [5, 6], 10) == _expected([5, 6], 10)
-            assert relay.num_connections == 2
+            assert relay.num_connections == 3
         finally:
             await client.close()
             relay.close()
-    assert "a step message could not be read" in caplog.text
+    assert "DecodeError" in caplog.text and "ValueError" in caplog.text
+
+
+async def test_a_draining_scheduler_reports_not_ready_so_frontends_wait_for_the_next(stack: Stack) -> None:
+    assert (await wait_ready(stack.stub)).ready
+    await stack.engine.drain(0)
+    info = await stack.stub.GetSchedulerInfo(scheduler_pb2.GetSchedulerInfoRequest())
+    assert not info.ready
