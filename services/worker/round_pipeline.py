@@ -41,6 +41,7 @@ only a failure still comes back through the queue, after the steps written befor
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -174,7 +175,10 @@ class RoundPipeline:
                     deliver(RoundFailedError(round_.round_id, exc))
 
         async def feed() -> None:
-            pending: list[asyncio.Future[None]] = []
+            # The executor's own futures: a round that ends does not wake the event loop (which
+            # shares the compute thread's core and would preempt it in its next round); only
+            # those still running when the stream ends are awaited.
+            pending: list[concurrent.futures.Future[None]] = []
             try:
                 async for round_ in rounds:
                     if failed.is_set():
@@ -183,8 +187,8 @@ class RoundPipeline:
                         self.runner.abort(round_.request_ids)
                         continue
                     pending = [f for f in pending if not f.done()]
-                    pending.append(loop.run_in_executor(self.executor, execute, round_))
-                await asyncio.gather(*pending)
+                    pending.append(self.executor.submit(execute, round_))
+                await asyncio.gather(*map(asyncio.wrap_future, pending))
             except Exception as exc:  # the request stream itself broke (bad message, cancelled peer)
                 failed.set()
                 queue.put_nowait(exc)
