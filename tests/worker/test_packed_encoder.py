@@ -19,7 +19,7 @@ from services.worker.attention.packed_encoder import (
 from services.worker.config import WorkerConfig
 from services.worker.kernels.build import kernels_error
 from services.worker.models.bert import EncoderNorm
-from services.worker.models.prepacked_linear import PrepackedLinear
+from services.worker.models.prepacked_linear import PrepackedLinear, gemm_rows
 from services.worker.step_output import PooledStep
 from services.worker.worker import Worker
 from shared.execute import ExecuteRound, PoolingRequestData
@@ -169,10 +169,25 @@ def test_batch_kernel_equals_the_sdpa_loop() -> None:
 
 
 @pytest.mark.usefixtures("cpu_kernels")
+@pytest.mark.parametrize("batch_kernel", [True, False])
+def test_rows_after_the_last_sequence_are_padding_and_come_out_zero(batch_kernel: bool) -> None:
+    """Rows past the last sequence (EncoderModel pads a batch to its GEMMs' row bucket) attend to
+    nothing, come out zero and leave the real rows as they are without them."""
+    attention = EncoderAttention(create_backend("sdpa", 16))
+    attention.batch_kernel = batch_kernel
+    q, k, v = _qkv([*LENS, 5])  # 5 more rows of random values; the metadata knows only LENS
+    meta = PackedEncoderMetadataBuilder().build(_common(LENS), [])
+    out = attention.forward(SPEC, q, k, v, meta)
+    n = sum(LENS)
+    assert out.shape == q.shape and torch.equal(out[n:], torch.zeros_like(out[n:]))
+    torch.testing.assert_close(out[:n], attention.forward(SPEC, q[:n], k[:n], v[:n], meta), atol=0, rtol=0)
+
+
+@pytest.mark.usefixtures("cpu_kernels")
 def test_batch_kernel_rejects_bad_boundaries_and_layouts() -> None:
     q, k, v = _qkv([3, 4])
-    with pytest.raises(RuntimeError, match="run from 0 to 7"):
-        torch.ops.spindle.encoder_attention(q, k, v, torch.tensor([0, 3, 6]), 1.0)
+    with pytest.raises(RuntimeError, match="run from 0 to at most 7"):
+        torch.ops.spindle.encoder_attention(q, k, v, torch.tensor([0, 3, 8]), 1.0)
     with pytest.raises(RuntimeError, match="empty or out of order"):
         torch.ops.spindle.encoder_attention(q, k, v, torch.tensor([0, 3, 3, 7]), 1.0)
     with pytest.raises(RuntimeError, match="contiguous heads"):
@@ -235,8 +250,9 @@ def test_encoder_round_is_packed_end_to_end_and_equals_the_padded_layout(
     for hook in hooks:
         hook.remove()
     assert isinstance(metas[0], PackedEncoderMetadata)
-    # every linear layer and LayerNorm of the trunk saw exactly the sum of the lengths: no padded rows
-    assert rows == [sum(LENS)] * (1 + 6 * len(worker.model.layers))
+    # every linear layer and LayerNorm of the trunk saw the sum of the lengths, rounded up once to the
+    # GEMMs' row bucket (287 -> 288): nothing padded to the longest sequence
+    assert rows == [gemm_rows(sum(LENS))] * (1 + 6 * len(worker.model.layers)) and gemm_rows(sum(LENS)) == 288
 
     runner = worker.runner
     runner.metadata_builder = worker.backend.metadata_builder()  # the padded layout, as before packing

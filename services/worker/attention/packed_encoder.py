@@ -131,7 +131,8 @@ class EncoderAttention:
         value: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         metadata: Any,
     ) -> torch.Tensor:
-        """[num_tokens, num_heads, head_dim]: each token attends to every token of its sequence."""
+        """[num_tokens, num_heads, head_dim]: each token attends to every token of its sequence.
+        On the CPU, rows past the last sequence are padding (EncoderModel.forward) and come out zero."""
         if not isinstance(metadata, PackedEncoderMetadata):
             return self.backend.forward(spec, query, key, value, None, metadata)
         if spec.num_kv_heads != spec.num_heads or spec.sliding_window or spec.logit_softcap:
@@ -139,6 +140,7 @@ class EncoderAttention:
         if self.runs_kernel(metadata) and query.dtype in (torch.float32, torch.bfloat16):
             return torch.ops.spindle.encoder_attention(query, key, value, metadata.query_start_loc, spec.scale)
         out = torch.empty_like(query)
+        out[metadata.num_tokens:].zero_()  # padding rows (EncoderModel.forward), as the kernel leaves them
         for start, end in metadata.bounds:
             q, k, v = (t[start:end].transpose(0, 1)[None] for t in (query, key, value))
             out[start:end] = self.kernel(q, k, v, spec.scale)[0].transpose(0, 1)

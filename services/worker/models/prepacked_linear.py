@@ -80,6 +80,12 @@ def bucket_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def gemm_rows(rows: int) -> int:
+    """The row count a GEMM of `rows` rows runs at: its bucket, or `rows` with the buckets off. A
+    caller that hands over activations of this many rows already saves every GEMM its padding."""
+    return bucket_rows(rows) if ROW_BUCKETS_ON else rows
+
+
 def _reorder(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """The weight oneDNN-packed for `dtype` activations, or None (with the reason logged) where it
     cannot stand in for F.linear.
@@ -117,7 +123,7 @@ def _bucketed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
                      gelu: bool = False) -> torch.Tensor:
     """`_packed_linear` of a 2-D `x`, run at `bucket_rows` rows (zero rows appended), real rows returned."""
     rows = x.shape[0]
-    padded = bucket_rows(rows) if ROW_BUCKETS_ON else rows
+    padded = gemm_rows(rows)
     if padded == rows:
         return _packed_linear(x, packed, bias, gelu)
     return _packed_linear(F.pad(x, (0, 0, 0, padded - rows)), packed, bias, gelu)[:rows]

@@ -243,7 +243,8 @@ void check_packed(const at::Tensor& t, const at::Tensor& like, const char* name)
 
 }  // namespace
 
-// out[t, h] = softmax(scale * q[t, h] . k[s, h]^T) v[s, h] over the tokens s of t's sequence.
+// out[t, h] = softmax(scale * q[t, h] . k[s, h]^T) v[s, h] over the tokens s of t's sequence. Rows past the
+// last sequence (padding that lets the GEMMs around it run at a cached row count) are zero.
 at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                              const at::Tensor& query_start_loc, double scale) {
   for (const auto& [t, name] : {std::pair{&query, "query"}, {&key, "key"}, {&value, "value"}})
@@ -253,11 +254,12 @@ at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& key, con
   const at::Tensor qsl = query_start_loc.contiguous();
   const int64_t* starts = qsl.data_ptr<int64_t>();
   const int64_t num_seqs = qsl.size(0) - 1, heads = query.size(1), tokens = query.size(0);
-  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == tokens, "encoder_attention: query_start_loc must run from 0 to ",
-              tokens);
+  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] <= tokens, "encoder_attention: query_start_loc must run from 0 to at",
+              " most ", tokens);
   for (int64_t s = 0; s < num_seqs; ++s)
     TORCH_CHECK(starts[s + 1] > starts[s], "encoder_attention: sequence ", s, " is empty or out of order");
   at::Tensor out = at::empty(query.sizes(), query.options());
+  if (starts[num_seqs] < tokens) out.narrow(0, starts[num_seqs], tokens - starts[num_seqs]).zero_();  // padding rows
   const float fscale = static_cast<float>(scale);
   if (query.scalar_type() == at::kBFloat16) {
     run_items(Packed<c10::BFloat16>(query, key, value, out, fscale), starts, num_seqs, heads);
