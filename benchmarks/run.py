@@ -21,14 +21,13 @@ import argparse
 import asyncio
 import gc
 import logging
-import re
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from benchmarks.cli_args import comma_list
+from benchmarks.cli_args import comma_list, env_variant
 from benchmarks.load_client import LoadConfig, run_with_warmup, warmup_spec
 from benchmarks.models import BENCH_MODELS, REPO, ensure_model
 from benchmarks.otlp_receiver import otlp_receiver
@@ -230,18 +229,6 @@ def run_all(settings: BenchSettings, stem: str) -> list[BenchRow]:
     return rows
 
 
-def _env_variant(text: str) -> tuple[str, tuple[tuple[str, str], ...]]:
-    """'unfused:SPINDLE_DISABLE_FUSED_KERNELS=1' -> ('unfused', (('SPINDLE_DISABLE_FUSED_KERNELS', '1'),)).
-
-    A comma starts the next assignment only where a NAME= follows it, so a value may hold commas
-    (GRPC_EXPERIMENTS=-event_engine_client,-event_engine_listener)."""
-    label, _, assignments = text.partition(":")
-    env = tuple(tuple(item.split("=", 1)) for item in re.split(r",(?=[A-Za-z_][A-Za-z0-9_]*=)", assignments) if item)
-    if not label or any(len(pair) != 2 or not pair[0] for pair in env):
-        raise argparse.ArgumentTypeError(f"expected LABEL[:NAME=VALUE,...], got {text!r}")
-    return label, env  # type: ignore[return-value]
-
-
 def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
     from benchmarks.limit import machine_cores
 
@@ -259,7 +246,7 @@ def parse_settings(argv: Sequence[str] | None) -> BenchSettings:
     p.add_argument("--spindle-arg", action="append", default=[], help="extra flag for spindle serve (repeatable)")
     p.add_argument("--attention-backends", type=comma_list(str), default=(),
                    help="comma list: run spindle once per --attention-backend, e.g. sdpa,paged")
-    p.add_argument("--spindle-env-variant", action="append", default=[], type=_env_variant,
+    p.add_argument("--spindle-env-variant", action="append", default=[], type=env_variant,
                    metavar="LABEL[:NAME=VALUE,...]",
                    help="run spindle once per variant at each concurrency, with these environment variables "
                         "(repeatable), e.g. --spindle-env-variant unfused:SPINDLE_DISABLE_FUSED_KERNELS=1 "

@@ -28,11 +28,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 @contextlib.contextmanager
 def spindle_server(model_dir: Path, *extra_args: str, num_threads: int, log_path: Path,
-                   timeout_s: float = 600.0, extra_env: Mapping[str, str] | None = None) -> Iterator[RunningServer]:
+                   timeout_s: float = 600.0, extra_env: Mapping[str, str] | None = None,
+                   tree: Path = REPO) -> Iterator[RunningServer]:
     """`spindle serve --model model_dir *extra_args` on free loopback ports until the block ends.
 
     `extra_env` is added to the environment of the launcher and so of every service it starts,
-    e.g. {"SPINDLE_ENABLE_PREFIX_CACHING": "false"} for the scheduler.
+    e.g. {"SPINDLE_ENABLE_PREFIX_CACHING": "false"} for the scheduler. `tree`: the source tree the
+    services run from (another revision's worktree, for a side-by-side comparison).
 
     Raises AssertionError (from the harness) if the server exits or is not healthy in `timeout_s`.
     """
@@ -45,7 +47,7 @@ def spindle_server(model_dir: Path, *extra_args: str, num_threads: int, log_path
     with log_path.open("ab") as log:
         logger.info("starting: %s (log %s)", " ".join(cmd[1:]), log_path)
         # Own session: if the launcher hangs, its whole group (the services it started) can be killed.
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         server = RunningServer(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", model_dir.name, proc)
         try:
             _wait_healthy(server, timeout_s)

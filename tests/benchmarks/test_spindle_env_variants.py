@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from benchmarks.run import _env_variant, parse_settings, plan
+from benchmarks.cli_args import env_variant
+from benchmarks.run import parse_settings, plan
 
 
 def test_variants_alternate_at_each_concurrency_with_their_environment() -> None:
@@ -22,8 +23,8 @@ def test_variants_alternate_at_each_concurrency_with_their_environment() -> None
 
 
 def test_env_variant_syntax() -> None:
-    assert _env_variant("x:A=1,B=c=d") == ("x", (("A", "1"), ("B", "c=d")))
-    assert _env_variant("x:A=-p,-q,B=1") == ("x", (("A", "-p,-q"), ("B", "1"))), "a comma before no NAME= is a value's"
+    assert env_variant("x:A=1,B=c=d") == ("x", (("A", "1"), ("B", "c=d")))
+    assert env_variant("x:A=-p,-q,B=1") == ("x", (("A", "-p,-q"), ("B", "1"))), "a comma before no NAME= is a value's"
     for bad in ("", ":A=1", "x:A", "x:=1"):
         with pytest.raises(argparse.ArgumentTypeError):
-            _env_variant(bad)
+            env_variant(bad)
