@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -36,6 +38,10 @@ Item = TypeVar("Item")
 
 STEP_TRANSPORTS = ("socket", "grpc")  # a client's choice: the step socket where offered, or always gRPC
 CONNECT_TIMEOUT_S = 5.0  # a port a firewall drops would otherwise take the kernel's ~2 min
+MUTE_STREAMS_BEFORE_FALLBACK = 3  # socket streams in a row that never heard the peer (StepSocketFallback)
+FALLBACK_HOLD_S = 300.0  # then gRPC for this long before the socket is tried again
+
+logger = logging.getLogger(__name__)
 
 
 class StepSocketUnreachableError(ConnectionError):
@@ -44,16 +50,57 @@ class StepSocketUnreachableError(ConnectionError):
 
 @dataclass(frozen=True)
 class StreamEnded:
-    """How a dialed stream ended: `code` from the server's END frame (None: no END came), and why in words."""
+    """How a dialed stream ended: `code` from the server's END frame (None: no END came), why in
+    words, and whether any frame came from the server at all (a live one sends a heartbeat within
+    HEARTBEAT_INTERVAL_S)."""
 
     code: grpc.StatusCode | None
     why: str
+    heard: bool = True
 
     @property
     def closed(self) -> bool:
         """The server ended it with OK: it closed the stream in order (a worker after the dialer's
         end and its last round; a scheduler that stops, whose frontends then re-submit)."""
         return self.code == grpc.StatusCode.OK
+
+
+class StepSocketFallback:
+    """Whether a client dials its peer's step socket, or streams on gRPC for a while instead.
+
+    A port that takes connections and then drops them or never answers (a service mesh's proxy
+    that cannot route a plain TCP port, a Service that sends the port elsewhere) would end every
+    stream at once, and the client would dial it again forever while gRPC to the same peer works.
+    So after `limit` socket streams in a row that ended without one frame from the peer (a live
+    peer's first heartbeat comes within a second), the client's streams go over gRPC for
+    `hold_s`, and then the socket is tried again. A port that refuses connections needs none of
+    this: the dial fails and that stream goes over gRPC at once.
+    """
+
+    def __init__(self, peer: str, limit: int = MUTE_STREAMS_BEFORE_FALLBACK, hold_s: float = FALLBACK_HOLD_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.peer = peer
+        self.limit = limit
+        self.hold_s = hold_s
+        self._clock = clock
+        self._mute_in_a_row = 0
+        self._grpc_until = 0.0
+
+    def use_socket(self) -> bool:
+        """Whether the next stream dials the step socket."""
+        return self._clock() >= self._grpc_until
+
+    def record(self, ended: StreamEnded) -> None:
+        """Count a socket stream's end: one the peer never answered brings the fallback nearer."""
+        if ended.heard:
+            self._mute_in_a_row = 0
+            return
+        self._mute_in_a_row += 1
+        if self._mute_in_a_row >= self.limit:
+            self._mute_in_a_row = 0
+            self._grpc_until = self._clock() + self.hold_s
+            logger.warning("the %s's step socket ended %d streams in a row without a frame (the last: %s); "
+                           "streaming over gRPC for %.0f s", self.peer, self.limit, ended.why, self.hold_s)
 
 
 def step_socket_host(address: str) -> str | None:
@@ -67,10 +114,11 @@ def step_socket_host(address: str) -> str | None:
 
 async def dial(host: str, port: int, outbox: asyncio.Queue[Item | None], encode: Callable[[Item], bytes],
                on_payload: Callable[[bytes], None], peer: str, heartbeat_s: float = HEARTBEAT_INTERVAL_S,
-               silence_timeout_s: float = SILENCE_TIMEOUT_S) -> StreamEnded:
-    """Run one stream on host:port until it ends (`peer` names the server in the words of the end).
-    An exception of `on_payload` propagates; StepSocketUnreachableError where no connection could
-    be made, with nothing taken from the outbox."""
+               silence_timeout_s: float = SILENCE_TIMEOUT_S, fallback: StepSocketFallback | None = None,
+               ) -> StreamEnded:
+    """Run one stream on host:port until it ends (`peer` names the server in the words of the end),
+    and tell `fallback` how it ended. An exception of `on_payload` propagates; StepSocketUnreachableError
+    where no connection could be made, with nothing taken from the outbox."""
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
     except (OSError, TimeoutError) as exc:
@@ -92,7 +140,12 @@ async def dial(host: str, port: int, outbox: asyncio.Queue[Item | None], encode:
         for task in helpers:
             task.cancel()
         writer.close()
-    return StreamEnded(None, f"the {peer} went silent ({silent[0]})") if silent else ended
+    if silent:
+        ended = StreamEnded(None, f"the {peer} went silent ({silent[0]})")
+    ended = StreamEnded(ended.code, ended.why, frames.heard)
+    if fallback is not None:
+        fallback.record(ended)
+    return ended
 
 
 async def _read(frames: FrameReader, on_payload: Callable[[bytes], None], peer: str) -> StreamEnded:

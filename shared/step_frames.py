@@ -89,11 +89,13 @@ class FrameReader:
     def __init__(self, reader: asyncio.StreamReader) -> None:
         self._reader = reader
         self.last_frame_at = time.monotonic()
+        self.heard = False  # whether any frame came, a heartbeat included
 
     async def read(self) -> tuple[int, bytes] | None:
         """The next frame that is not a heartbeat (read_frame's result)."""
         while (item := await read_frame(self._reader)) is not None:
             self.last_frame_at = time.monotonic()
+            self.heard = True
             if item[0] != HEARTBEAT:
                 return item
         return None

@@ -33,7 +33,7 @@ from shared.errors import InvalidArgumentError, UnavailableError
 from shared.grpc_channel import open_channel
 from shared.metrics import seconds_since_unix_ns
 from shared.pb.spindle.v1 import scheduler_pb2, scheduler_pb2_grpc
-from shared.step_dial import StepSocketUnreachableError, dial, step_socket_host
+from shared.step_dial import StepSocketFallback, StepSocketUnreachableError, dial, step_socket_host
 from shared.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
@@ -125,6 +125,7 @@ class SchedulerClient:
         self._tls = tls  # mutual TLS to the scheduler; None: plaintext
         # Where the scheduler's step socket is dialed (None: never, the stream is gRPC's Connect).
         self._step_host = step_socket_host(address) if step_socket and tls is None else None
+        self._socket_fallback = StepSocketFallback("scheduler")  # gRPC for a while where the socket never answers
         self._resume_timeout_s = resume_timeout_s
         self._submitted: dict[str, AddRequest] = {}  # live requests as first submitted
         self._connection_generation = 0
@@ -298,14 +299,14 @@ class SchedulerClient:
                 self._flush()  # the re-submissions, then the marker saying they are all there
                 outbox.put_nowait(wire.resubmitted_to_proto(self.frontend_id))
                 self._set_ready(True)
+                on_socket = self._step_host is not None and bool(info.step_port) and self._socket_fallback.use_socket()
                 logger.info("connected to the scheduler at %s: model %s, max_model_len %d, %d worker(s); "
                             "requests stream over %s", self.address, info.model_id, info.max_model_len,
-                            info.num_workers, f"its step socket (port {info.step_port})"
-                            if self._step_host is not None and info.step_port else "gRPC")
+                            info.num_workers, f"its step socket (port {info.step_port})" if on_socket else "gRPC")
                 poller = asyncio.create_task(self._follow_info(stub), name="scheduler-info")
                 started = time.monotonic()
                 try:
-                    broke = await self._stream(stub, info, outbox)
+                    broke = await self._stream(stub, info, outbox, on_socket)
                 finally:
                     poller.cancel()
                 if time.monotonic() - started >= _STABLE_STREAM_S:
@@ -330,12 +331,14 @@ class SchedulerClient:
             backoff = min(backoff * 2, self._backoff_max_s)
 
     async def _stream(self, stub: scheduler_pb2_grpc.SchedulerServiceStub, info: SchedulerInfo,
-                      outbox: asyncio.Queue[scheduler_pb2.ConnectRequest | None]) -> str | None:
-        """Run the Connect stream until it ends: None where the scheduler closed it, else how it broke."""
-        if self._step_host is not None and info.step_port:
+                      outbox: asyncio.Queue[scheduler_pb2.ConnectRequest | None], on_socket: bool) -> str | None:
+        """Run the Connect stream until it ends: None where the scheduler closed it, else how it broke.
+        `on_socket`: on the scheduler's step socket (gRPC where it cannot be reached)."""
+        if on_socket:
+            assert self._step_host is not None
             try:
                 ended = await dial(self._step_host, info.step_port, outbox, _encode, self._dispatch_payload,
-                                   "scheduler")
+                                   "scheduler", fallback=self._socket_fallback)
             except StepSocketUnreachableError as exc:
                 logger.warning("the scheduler's %s; this stream goes over gRPC", exc)
             except Exception as exc:  # a step message that cannot be read or applied: reconnect, re-submit

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from shared.execute import AbortRows, ExecuteRound, StepOutput
 from shared.execute_wire import execute_request_to_proto, step_from_proto
 from shared.pb.spindle.v1 import worker_pb2
-from shared.step_dial import dial
+from shared.step_dial import StepSocketFallback, dial
 from shared.step_frames import HEARTBEAT_INTERVAL_S, SILENCE_TIMEOUT_S
 
 Outgoing = ExecuteRound | AbortRows | None  # None ends the stream
@@ -27,12 +27,13 @@ def _encode(item: ExecuteRound | AbortRows) -> bytes:
 
 
 async def stream_steps(host: str, port: int, outbox: asyncio.Queue[Outgoing], on_step: Callable[[StepOutput], None],
-                       heartbeat_s: float = HEARTBEAT_INTERVAL_S, silence_timeout_s: float = SILENCE_TIMEOUT_S) -> str:
-    """Run one stream on host:port until it ends; why it ended. An exception of `on_step` propagates,
-    and StepSocketUnreachableError where no connection could be made (nothing was sent)."""
+                       heartbeat_s: float = HEARTBEAT_INTERVAL_S, silence_timeout_s: float = SILENCE_TIMEOUT_S,
+                       fallback: StepSocketFallback | None = None) -> str:
+    """Run one stream on host:port until it ends (told to `fallback`); why it ended. An exception of
+    `on_step` propagates, and StepSocketUnreachableError where no connection could be made (nothing was sent)."""
     ended = await dial(host, port, outbox, _encode,
                        lambda payload: on_step(step_from_proto(worker_pb2.ExecuteResponse.FromString(payload))),
-                       "worker", heartbeat_s, silence_timeout_s)
+                       "worker", heartbeat_s, silence_timeout_s, fallback)
     if ended.closed:
         return STREAM_CLOSED
     return ended.why if ended.code is None else f"Execute stream broke ({ended.code.name}: {ended.why})"

@@ -26,7 +26,7 @@ from shared.execute import AbortRows, ExecuteRound, StepOutput, WorkerInfo
 from shared.execute_wire import execute_request_to_proto, step_from_proto, worker_info_from_proto
 from shared.grpc_channel import open_channel
 from shared.pb.spindle.v1 import worker_pb2, worker_pb2_grpc
-from shared.step_dial import StepSocketUnreachableError, step_socket_host
+from shared.step_dial import StepSocketFallback, StepSocketUnreachableError, step_socket_host
 from shared.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class WorkerClient:
         self.address = address
         self._step_host = step_socket_host(address) if step_socket and tls is None else None
         self._step_port = 0  # the step socket's port the worker offered (0: none), from wait_ready
+        self._socket_fallback = StepSocketFallback(f"worker {index}")  # gRPC for a while where it never answers
         self._ready_timeout_s = ready_timeout_s
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
@@ -89,7 +90,8 @@ class WorkerClient:
         def on_step(step: StepOutput) -> None:
             on_output(self.index, step)
 
-        ended = self._stream_on_socket(on_step) if self._step_port else self._stream_on_grpc(on_step)
+        on_socket = bool(self._step_port) and self._socket_fallback.use_socket()
+        ended = self._stream_on_socket(on_step) if on_socket else self._stream_on_grpc(on_step)
         self._reader = asyncio.create_task(self._watch(ended, on_failure), name=f"worker-{self.index}-reader")
 
     def send(self, rnd: ExecuteRound) -> None:
@@ -130,7 +132,8 @@ class WorkerClient:
         firewall that lets only the gRPC port through), for this stream. Why it ended."""
         assert self._step_host is not None
         try:
-            return await stream_steps(self._step_host, self._step_port, self._outbox, on_step)
+            return await stream_steps(self._step_host, self._step_port, self._outbox, on_step,
+                                      fallback=self._socket_fallback)
         except StepSocketUnreachableError as exc:
             logger.warning("worker %d: %s; this stream goes over gRPC", self.index, exc)
             return await self._stream_on_grpc(on_step)

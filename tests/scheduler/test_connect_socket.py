@@ -233,6 +233,34 @@ async def test_the_frontends_client_falls_back_to_grpc_where_the_socket_cannot_b
     assert "unreachable" in caplog.text and "this stream goes over gRPC" in caplog.text
 
 
+async def test_the_frontends_client_goes_over_grpc_where_the_socket_takes_connections_and_drops_them(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A port that accepts and drops (a mesh proxy that cannot route it) must not keep the client
+    reconnecting forever: after three streams that never heard the scheduler, gRPC carries them."""
+    caplog.set_level(logging.INFO, "services.frontend.scheduler_client")
+    connections: list[int] = []
+
+    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        writer.close()
+
+    async with running_stack() as stack:
+        dropper = await asyncio.start_server(drop, "127.0.0.1", 0)
+        stack.servicer.step_port = dropper.sockets[0].getsockname()[1]
+        client = SchedulerClient(stack.service.address, backoff_initial_s=0.01)
+        client.start()
+        try:
+            await client.wait_ready(10)
+            async with asyncio.timeout(20):
+                assert await _generate(client, "r", [5, 6], 10) == _expected([5, 6], 10)
+            assert len(connections) == 3
+        finally:
+            await client.close()
+            dropper.close()
+    assert "the scheduler's step socket ended 3 streams in a row without a frame" in caplog.text
+    assert "requests stream over gRPC" in caplog.text
+
+
 async def test_the_frontends_client_reconnects_after_a_step_message_it_cannot_handle(
         caplog: pytest.LogCaptureFixture) -> None:
     unknown_stop = scheduler_pb2.ConnectResponse(step=scheduler_pb2.StepUpdates(updates=[

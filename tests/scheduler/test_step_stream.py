@@ -12,7 +12,7 @@ from services.scheduler.step_stream import STREAM_CLOSED, Outgoing, stream_steps
 from shared.execute import ExecuteRound, StepOutput
 from shared.pb.spindle.v1 import worker_pb2
 from shared.ports import free_port
-from shared.step_dial import StepSocketUnreachableError, step_socket_host
+from shared.step_dial import StepSocketFallback, StepSocketUnreachableError, step_socket_host
 from shared.step_frames import HEARTBEAT, REQUEST, STEP, end_frame, frame, read_frame
 
 
@@ -126,3 +126,59 @@ async def test_heartbeats_keep_an_idle_stream_open_and_never_reach_the_steps() -
     finally:
         server.close()
     assert (why, [s.round_id for s in steps]) == (STREAM_CLOSED, [5])
+
+
+async def _dial_once(handler: Handler, fallback: StepSocketFallback) -> str:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    try:
+        async with asyncio.timeout(10):
+            return await stream_steps("127.0.0.1", server.sockets[0].getsockname()[1], asyncio.Queue(),
+                                      lambda step: None, heartbeat_s=0.05, silence_timeout_s=0.3, fallback=fallback)
+    finally:
+        server.close()
+
+
+async def _drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.close()  # takes the connection and drops it: a proxy that cannot route the port
+
+
+async def _mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await reader.read()  # takes the connection and never answers: a black hole
+
+
+async def _heartbeat_then_drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.write(frame(HEARTBEAT, b""))
+    await writer.drain()
+    await asyncio.sleep(0.05)
+    writer.close()
+
+
+async def test_streams_the_worker_never_answers_send_the_next_ones_over_grpc_for_a_while(
+        caplog: pytest.LogCaptureFixture) -> None:
+    now = [100.0]
+    fallback = StepSocketFallback("worker 0", limit=3, hold_s=60.0, clock=lambda: now[0])
+    await _dial_once(_drop, fallback)
+    await _dial_once(_heartbeat_then_drop, fallback)  # a live peer that then broke: the count starts again
+    await _dial_once(_drop, fallback)
+    await _dial_once(_mute, fallback)
+    assert fallback.use_socket()
+    why = await _dial_once(_drop, fallback)  # the third in a row
+    assert why == "the worker closed its step socket without ending the stream"
+    assert not fallback.use_socket()
+    assert "worker 0's step socket ended 3 streams in a row without a frame" in caplog.text
+    now[0] += 59.0
+    assert not fallback.use_socket()
+    now[0] += 1.0
+    assert fallback.use_socket()  # the socket is tried again
+
+
+async def test_a_stream_that_heard_its_peer_never_counts_against_the_socket() -> None:
+    fallback = StepSocketFallback("worker 0", limit=1)
+    await _dial_once(_heartbeat_then_drop, fallback)
+
+    async def failed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(end_frame(grpc.StatusCode.INTERNAL, "boom"))  # it answered: the stream failed, not the socket
+        writer.close()
+
+    assert await _dial_once(failed, fallback) == "Execute stream broke (INTERNAL: boom)"
+    assert fallback.use_socket()

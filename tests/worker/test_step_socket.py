@@ -273,3 +273,42 @@ async def test_a_step_socket_out_of_reach_leaves_the_stream_on_grpc(
     assert [(s.round_id, s.step_index) for s in outputs] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert sending_threads == []
 
+
+
+async def test_a_step_socket_that_drops_every_connection_sends_the_streams_over_grpc(
+    worker: Worker, sending_threads: list[str]
+) -> None:
+    """Offered, taking connections and dropping them (a proxy that cannot route the port): after three
+    streams that never heard the worker, the scheduler's client streams over gRPC, and the rounds run."""
+
+    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    dropper = await asyncio.start_server(drop, "127.0.0.1", 0)
+    failures: list[str] = []
+    try:
+        async with worker_service(worker, step_socket=True) as address:
+            client = WorkerClient(0, address)
+            await client.wait_ready()
+            client._step_port = dropper.sockets[0].getsockname()[1]
+            for _ in range(4):
+                outputs: list[StepOutput] = []
+                done = asyncio.Event()
+
+                def on_failure(index: int, why: str, done: asyncio.Event = done) -> None:
+                    failures.append(why)
+                    done.set()
+
+                client.open(lambda index, step, outputs=outputs: outputs.append(step), on_failure)
+                for item in two_rounds():
+                    client.send(item)
+                client._outbox.put_nowait(None)
+                async with asyncio.timeout(60):
+                    await done.wait()
+                await client.reset()
+            await client.close()
+    finally:
+        dropper.close()
+    assert failures == ["the worker closed its step socket without ending the stream"] * 3 + [STREAM_CLOSED]
+    assert [(s.round_id, s.step_index) for s in outputs] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert sending_threads == []
