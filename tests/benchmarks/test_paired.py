@@ -47,8 +47,8 @@ def test_the_two_variants_need_their_own_labels() -> None:
 def _side(label: str, latencies_s: list[float], tokens: int = 0) -> Side:
     side = Side(Variant(label))
     for latency in latencies_s:
-        side.add(RequestResult(prompt_len=1, expected_output_tokens=tokens, output_tokens=tokens, e2e_s=latency,
-                               error=None if not math.isnan(latency) else "HTTP 500"))
+        side.add([RequestResult(prompt_len=1, expected_output_tokens=tokens, output_tokens=tokens, e2e_s=latency,
+                                error=None if not math.isnan(latency) else "HTTP 500")], latency)
     return side
 
 
@@ -98,9 +98,28 @@ def test_each_request_goes_to_both_servers_one_at_a_time_in_swapped_order() -> N
     async def main() -> None:
         async with serve_app(_mock("a", 0.0, log)) as url_a, serve_app(_mock("b", 0.02, log)) as url_b:
             configs = [LoadConfig(base_url=url, model="m", concurrency=1, timeout_s=10) for url in (url_a, url_b)]
-            await paired._alternate(configs, batches, EmbeddingSender("float"), sides, 0)
+            await paired._alternate(configs, batches, EmbeddingSender("float"), sides)
 
     asyncio.run(main())
     assert log == [(label, t) for i, t in enumerate(texts) for label in (("a", "b") if i % 2 == 0 else ("b", "a"))]
     summary = summarize(*sides)
     assert summary.num_pairs == 6 and summary.a_faster_share == 1.0 and summary.diff_median_ms < -15
+
+
+def test_a_group_of_concurrent_requests_goes_whole_to_one_server_before_the_other() -> None:
+    log: list[tuple[str, str]] = []
+    texts = [f"s{i}" for i in range(6)]
+    batches = make_batches(texts, [3] * len(texts), 1)
+    sides = [Side(Variant("a")), Side(Variant("b"))]
+
+    async def main() -> None:
+        async with serve_app(_mock("a", 0.05, log)) as url_a, serve_app(_mock("b", 0.05, log)) as url_b:
+            configs = [LoadConfig(base_url=url, model="m", concurrency=3, timeout_s=10) for url in (url_a, url_b)]
+            await paired._alternate(configs, batches, EmbeddingSender("float"), sides, concurrency=3)
+
+    asyncio.run(main())
+    servers = [label for label, _ in log]
+    assert servers == ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3
+    assert sorted(t for label, t in log[:3]) == texts[:3] and sorted(t for label, t in log[9:]) == texts[3:]
+    assert len(sides[0].latencies_s) == 2
+    assert all(0.05 <= t < 0.15 for t in sides[0].latencies_s + sides[1].latencies_s)  # three at once, not 0.15 s
