@@ -40,6 +40,8 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
     ServeFlag("max_num_seqs", (WORKER, SCHEDULER), int, "most sequences running at once"),
     ServeFlag("max_num_batched_tokens", (WORKER, SCHEDULER), int, "token budget per step"),
     ServeFlag("num_scheduler_steps", (SCHEDULER,), int, "decode steps per scheduler round trip (multi-step)"),
+    ServeFlag("round_target_ms", (SCHEDULER,), float,
+              "while steps are short, a round runs as many steps as take about this long (0: never)"),
     # Backpressure.
     ServeFlag("max_waiting_requests", (SCHEDULER,), int,
               "most requests waiting for admission; past it new ones get HTTP 429 / RESOURCE_EXHAUSTED"),

@@ -60,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          "token budget of one round's first step per worker"),
         ("--num-scheduler-steps", "NUM_SCHEDULER_STEPS", defaults.num_scheduler_steps,
          "decode steps per round when no prefill is pending (multi-step)"),
+        ("--max-scheduler-steps", "MAX_SCHEDULER_STEPS", defaults.max_scheduler_steps,
+         "the most steps a round grows to while the worker's steps are short (--round-target-ms)"),
         ("--max-step-tokens-per-decode", "MAX_STEP_TOKENS_PER_DECODE", defaults.max_step_tokens_per_decode,
          "while requests decode, a step computes at most S x this tokens, S the streams decoding or waiting "
          "(bounds the stall a burst of prefills causes; 0 = off)"),
@@ -82,6 +84,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=_env_bool("ENABLE_PRIORITY_PREEMPTION", defaults.enable_priority_preemption),
                         help="waiting requests may preempt lower-priority running ones "
                              "[SPINDLE_ENABLE_PRIORITY_PREEMPTION]")
+    parser.add_argument("--round-target-ms", type=float,
+                        default=float(_env("ROUND_TARGET_MS", str(defaults.round_target_ms))),
+                        help="while the worker's steps are short, a decode round runs as many steps as take about "
+                             "this long, past --num-scheduler-steps up to --max-scheduler-steps (each round costs "
+                             "a fixed hand-over; 0: always --num-scheduler-steps) [SPINDLE_ROUND_TARGET_MS]")
     parser.add_argument("--pipeline-lead-ms", type=float,
                         default=float(_env("PIPELINE_LEAD_MS", str(defaults.pipeline_lead_ms))),
                         help="until rounds are quiet, send the next multi-step round once the one in flight ends "
@@ -130,6 +137,8 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_scheduler_steps=args.num_scheduler_steps,
+        max_scheduler_steps=args.max_scheduler_steps,
+        round_target_ms=args.round_target_ms,
         max_step_tokens_per_decode=args.max_step_tokens_per_decode,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_priority_preemption=args.enable_priority_preemption,

@@ -34,6 +34,10 @@ class SchedulerConfig:
         max_num_seqs: most requests holding KV blocks on one worker at once.
         max_num_batched_tokens: most tokens computed in step 0 of one round on one worker.
         num_scheduler_steps: decode steps per round when no prefill is pending (multi-step).
+        round_target_ms: while the worker's steps are short, a decode round runs more steps than
+            num_scheduler_steps (up to max_scheduler_steps), as many as take about this long
+            (multi_step.round_steps; 0 = always num_scheduler_steps).
+        max_scheduler_steps: the most steps a round grows to under round_target_ms.
         max_step_tokens_per_decode: while requests decode on a worker, step 0 of its round
             computes at most max(S x this, MIN_STEP_TOKENS_WHILE_DECODING) tokens, S the streams
             decoding or waiting there (at most max_num_seqs), so a burst of
@@ -79,6 +83,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     num_scheduler_steps: int = 8
+    round_target_ms: float = 24.0
+    max_scheduler_steps: int = 32
     max_step_tokens_per_decode: int = 3
     enable_prefix_caching: bool = True
     enable_priority_preemption: bool = False
@@ -102,7 +108,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if not self.worker_addresses:
             raise ValueError(f"{self.worker_addresses=} must name at least one worker")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps",
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps", "max_scheduler_steps",
                      "max_inflight_rounds", "max_waiting_requests", "max_waiting_tokens",
                      "limit_mm_per_prompt"):
             value = getattr(self, name)
@@ -114,6 +120,8 @@ class SchedulerConfig:
             raise ValueError(f"{self.pipeline_quiet_rounds=} must be >= 0")
         if self.pipeline_lead_ms < 0:
             raise ValueError(f"{self.pipeline_lead_ms=} must be >= 0")
+        if self.round_target_ms < 0:
+            raise ValueError(f"{self.round_target_ms=} must be >= 0")
         if self.worker_ready_timeout_s < 0:
             raise ValueError(f"{self.worker_ready_timeout_s=} must be >= 0")
         if self.stats_interval_s <= 0:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from services.scheduler.config import MIN_STEP_TOKENS_WHILE_DECODING, SchedulerConfig
 from services.scheduler.kv_block_manager import KVBlockManager
-from services.scheduler.multi_step import choose_num_steps, is_certain_to_finish, is_prefilling
+from services.scheduler.multi_step import choose_num_steps, is_certain_to_finish, is_prefilling, round_steps
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.worker_state import InflightEntry, InflightRound, WorkerState
 from shared.execute import CachedRequestData, ExecuteRound, NewRequestData
@@ -89,7 +89,7 @@ class _Plan:
         self.config = config
         self.max_model_len = builder.max_model_len
         self.budget = step_token_budget(ws, config, builder.max_model_len)
-        self.num_steps = choose_num_steps(ws, config.num_scheduler_steps, config.max_num_seqs,
+        self.num_steps = choose_num_steps(ws, round_steps(ws, config), config.max_num_seqs,
                                           self.budget, builder.max_model_len,
                                           config.enable_priority_preemption)
         self.entries: dict[str, _Entry] = {}

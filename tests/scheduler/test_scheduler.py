@@ -173,7 +173,7 @@ def test_multi_step_round_goes_ahead_just_in_time_while_requests_arrive() -> Non
     flight will end within pipeline_lead_ms by the worker's step time, measured between its
     outputs' sampling times; with steps longer than that (or no lead), only once it is back."""
     for step_ms, lead_ms, built_after in ((2, 5, 6), (1, 5, 3), (2, 0, 8), (6, 5, 8)):
-        sched, [worker] = _make(num_scheduler_steps=8, pipeline_lead_ms=lead_ms)
+        sched, [worker] = _make(num_scheduler_steps=8, pipeline_lead_ms=lead_ms, round_target_ms=0)
         sink = UpdateSink()
         sched.add_request(_req("a", [5, 6, 7], max_tokens=100), sink)
         first = sched.schedule()[0]
@@ -191,6 +191,29 @@ def test_multi_step_round_goes_ahead_just_in_time_while_requests_arrive() -> Non
         for out in outputs[fed:] + worker.run_round():  # the rest of the first round, then the second
             sched.update_from_output(0, out, sink)
         assert len(sched.requests["a"].output_token_ids) == 16
+
+
+def _decode_round_after_steps_of(step_ms: float, **config: object) -> int:
+    """The steps of a's second round, once its first round's steps came back `step_ms` apart."""
+    sched, [worker] = _make(**{"num_scheduler_steps": 8, "pipeline_lead_ms": 0, **config})
+    sink = UpdateSink()
+    sched.add_request(_req("a", [5, 6, 7], max_tokens=200), sink)
+    first = sched.schedule()[0]
+    worker.submit(first)
+    for fed, out in enumerate(worker.run_round(), start=1):
+        sched.update_from_output(0, replace(out, sampled_unix_ns=10**9 + int(fed * step_ms * 10**6)), sink)
+    return sched.schedule()[0].num_steps
+
+
+def test_rounds_grow_past_num_scheduler_steps_while_steps_are_short() -> None:
+    """As many steps as take round_target_ms by the measured step time, at least num_scheduler_steps and
+    at most max_scheduler_steps; round_target_ms=0 keeps num_scheduler_steps."""
+    assert _decode_round_after_steps_of(1.0) == 24  # the default 24 ms target
+    assert _decode_round_after_steps_of(0.5) == 32  # capped
+    assert _decode_round_after_steps_of(4.0) == 8  # long steps: num_scheduler_steps
+    assert _decode_round_after_steps_of(1.0, round_target_ms=0) == 8
+    assert _decode_round_after_steps_of(1.0, max_scheduler_steps=16) == 16
+    assert _decode_round_after_steps_of(1.0, num_scheduler_steps=1) == 1
 
 
 def test_a_burst_of_prefills_is_held_to_a_few_tokens_per_stream() -> None:
