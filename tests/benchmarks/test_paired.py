@@ -44,6 +44,14 @@ def test_the_two_variants_need_their_own_labels() -> None:
     assert paired.parse_args(["--b", "old"]).a == Variant("a")
 
 
+def test_a_peer_takes_variant_bs_place_for_completions() -> None:
+    args = paired.parse_args(["--peer", "llama-cpp", "--workload", "completion", "--dtype", "bfloat16"])
+    assert args.b == Variant("llama-cpp", peer="llama-cpp") and args.dtype == "bfloat16"
+    for bad in (["--peer", "llama-cpp"], ["--peer", "llama-cpp", "--b", "x", "--workload", "completion"], []):
+        with pytest.raises(SystemExit):
+            paired.parse_args(bad)  # embeddings have no peer here; B is --b or --peer, exactly one
+
+
 def _side(label: str, latencies_s: list[float], tokens: int = 0) -> Side:
     side = Side(Variant(label))
     for latency in latencies_s:
