@@ -97,35 +97,34 @@ def _mock(label: str, delay_s: float, log: list[tuple[str, str]]) -> web.Applica
     return app
 
 
-def test_each_request_goes_to_both_servers_one_at_a_time_in_swapped_order() -> None:
+def _alternate_six(delays_s: tuple[float, float],
+                   concurrency: int) -> tuple[list[tuple[str, str]], list[str], list[Side]]:
+    """Six one-sentence requests through `_alternate` against mock servers "a" and "b" (each answering
+    after its delay): (what each server got, in order; the texts; the two sides)."""
     log: list[tuple[str, str]] = []
     texts = [f"s{i}" for i in range(6)]
     batches = make_batches(texts, [3] * len(texts), 1)
     sides = [Side(Variant("a")), Side(Variant("b"))]
 
     async def main() -> None:
-        async with serve_app(_mock("a", 0.0, log)) as url_a, serve_app(_mock("b", 0.02, log)) as url_b:
-            configs = [LoadConfig(base_url=url, model="m", concurrency=1, timeout_s=10) for url in (url_a, url_b)]
-            await paired._alternate(configs, batches, EmbeddingSender("float"), sides)
+        async with serve_app(_mock("a", delays_s[0], log)) as url_a, serve_app(_mock("b", delays_s[1], log)) as url_b:
+            configs = [LoadConfig(base_url=url, model="m", concurrency=concurrency, timeout_s=10)
+                       for url in (url_a, url_b)]
+            await paired._alternate(configs, batches, EmbeddingSender("float"), sides, concurrency=concurrency)
 
     asyncio.run(main())
+    return log, texts, sides
+
+
+def test_each_request_goes_to_both_servers_one_at_a_time_in_swapped_order() -> None:
+    log, texts, sides = _alternate_six((0.0, 0.02), concurrency=1)
     assert log == [(label, t) for i, t in enumerate(texts) for label in (("a", "b") if i % 2 == 0 else ("b", "a"))]
     summary = summarize(*sides)
     assert summary.num_pairs == 6 and summary.a_faster_share == 1.0 and summary.diff_median_ms < -15
 
 
 def test_a_group_of_concurrent_requests_goes_whole_to_one_server_before_the_other() -> None:
-    log: list[tuple[str, str]] = []
-    texts = [f"s{i}" for i in range(6)]
-    batches = make_batches(texts, [3] * len(texts), 1)
-    sides = [Side(Variant("a")), Side(Variant("b"))]
-
-    async def main() -> None:
-        async with serve_app(_mock("a", 0.05, log)) as url_a, serve_app(_mock("b", 0.05, log)) as url_b:
-            configs = [LoadConfig(base_url=url, model="m", concurrency=3, timeout_s=10) for url in (url_a, url_b)]
-            await paired._alternate(configs, batches, EmbeddingSender("float"), sides, concurrency=3)
-
-    asyncio.run(main())
+    log, texts, sides = _alternate_six((0.05, 0.05), concurrency=3)
     servers = [label for label, _ in log]
     assert servers == ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3
     assert sorted(t for label, t in log[:3]) == texts[:3] and sorted(t for label, t in log[9:]) == texts[3:]

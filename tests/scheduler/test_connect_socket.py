@@ -182,6 +182,18 @@ class _Relay:
         self._server.close()
 
 
+@contextlib.asynccontextmanager
+async def _ready_client(address: str) -> AsyncIterator[SchedulerClient]:
+    """The frontend's SchedulerClient for the scheduler at `address`, started and ready, closed after."""
+    client = SchedulerClient(address, backoff_initial_s=0.01)
+    client.start()
+    try:
+        await client.wait_ready(10)
+        yield client
+    finally:
+        await client.close()
+
+
 async def _generate(client: SchedulerClient, request_id: str, prompt: list[int], max_tokens: int,
                     after_first: asyncio.Event | None = None) -> list[int]:
     add = AddRequest(request_id, prompt, SamplingOptions(temperature=0.0, max_tokens=max_tokens))
@@ -247,15 +259,11 @@ async def test_the_frontends_client_goes_over_grpc_where_the_socket_takes_connec
     async with running_stack() as stack:
         dropper = await asyncio.start_server(drop, "127.0.0.1", 0)
         stack.servicer.step_port = dropper.sockets[0].getsockname()[1]
-        client = SchedulerClient(stack.service.address, backoff_initial_s=0.01)
-        client.start()
         try:
-            await client.wait_ready(10)
-            async with asyncio.timeout(20):
+            async with _ready_client(stack.service.address) as client, asyncio.timeout(20):
                 assert await _generate(client, "r", [5, 6], 10) == _expected([5, 6], 10)
             assert len(connections) == 3
         finally:
-            await client.close()
             dropper.close()
     assert "the scheduler's step socket ended 3 streams in a row without a frame" in caplog.text
     assert "requests stream over gRPC" in caplog.text
@@ -268,15 +276,11 @@ async def test_the_frontends_client_reconnects_after_a_step_message_it_cannot_ha
     async with running_stack() as stack:
         relay = _Relay(stack.step_port, bad_steps=(b"\xff\xff\xff", unknown_stop.SerializeToString()))
         stack.servicer.step_port = await relay.start()
-        client = SchedulerClient(stack.service.address, backoff_initial_s=0.01)
-        client.start()
         try:
-            await client.wait_ready(10)
-            async with asyncio.timeout(20):
+            async with _ready_client(stack.service.address) as client, asyncio.timeout(20):
                 assert await _generate(client, "r", [5, 6], 10) == _expected([5, 6], 10)
             assert relay.num_connections == 3
         finally:
-            await client.close()
             relay.close()
     assert "DecodeError" in caplog.text and "ValueError" in caplog.text
 
