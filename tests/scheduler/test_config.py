@@ -36,10 +36,20 @@ def test_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("field", ["max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps",
-                                   "max_inflight_rounds"])
+                                   "max_scheduler_steps", "max_inflight_rounds"])
 def test_rejects_non_positive_limits(field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SchedulerConfig(**{field: 0})
+
+
+def test_round_target_from_flag_and_env_and_never_negative(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert (_parse([]).round_target_ms, _parse([]).max_scheduler_steps) == (24.0, 32)
+    monkeypatch.setenv("SPINDLE_ROUND_TARGET_MS", "0")
+    assert _parse([]).round_target_ms == 0.0
+    config = _parse(["--round-target-ms", "12.5", "--max-scheduler-steps", "16"])
+    assert (config.round_target_ms, config.max_scheduler_steps) == (12.5, 16)
+    with pytest.raises(ValueError, match="round_target_ms"):
+        SchedulerConfig(round_target_ms=-1.0)
 
 
 def test_rejects_empty_worker_list() -> None:
