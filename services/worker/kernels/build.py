@@ -58,7 +58,8 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in (
     "paged_attention.cpp", "linear_small_m.cpp", "fused_ops.cpp", "argmax.cpp", "encoder_attention.cpp",
-    "decoder_stack.cpp", "greedy_decode.cpp", "work_pool.cpp", "linear_mid_m.cpp", "build_info.cpp"))
+    "decoder_stack.cpp", "greedy_decode.cpp", "head_screen.cpp", "work_pool.cpp", "linear_mid_m.cpp",
+    "build_info.cpp"))
 # Not compiled on their own, but part of a build's key.
 HEADERS = (_CSRC / "fused_ops.h", _CSRC / "vec_math.h", _CSRC / "kernel_ops.h", _CSRC / "work_pool.h",
            _CSRC / "linear_mid_m.h", _CSRC / "env_flag.h", _CSRC / "linear_out.h", _CSRC / "prefill_lanes.h",

@@ -30,6 +30,12 @@ at::Tensor act_and_mul(const at::Tensor& gate_up_in, int64_t activation);
 
 at::Tensor argmax_rows(const at::Tensor& logits_in);
 
+// x . w over K as linear_small_m computes each logit of one float32 row (head_screen.cpp).
+float row_dot_f32(const float* x, const float* w, int64_t K);
+
+c10::optional<at::Tensor> screened_argmax(const at::Tensor& x_in, const at::Tensor& head, const at::Tensor& screen,
+                                          double max_abs, double max_row_l1, const c10::optional<at::Tensor>& bias);
+
 at::Tensor decoder_stack(const at::Tensor& hidden, const std::vector<at::Tensor>& weights,
                          const std::vector<c10::optional<at::Tensor>>& biases, const std::vector<at::Tensor>& kv_caches,
                          const std::vector<int64_t>& windows, double eps, bool unit_offset, int64_t activation,

@@ -381,6 +381,12 @@ void run(const float* x, const W* w, const float* bias, Y* y, int64_t M, int64_t
   });
 }
 
+}  // namespace
+
+float row_dot_f32(const float* x, const float* w, int64_t K) { return row_dot(x, w, K); }
+
+namespace {
+
 // x's rows in fp32: fp32 x in place, bf16 x widened into this thread's buffer (a few KB at
 // decode sizes; a torch conversion was an op and a tensor a call).
 const float* float_rows(const at::Tensor& x) {
