@@ -1,4 +1,4 @@
-"""The LM head's bfloat16 screen (kernels/csrc/head_screen.cpp, models/greedy_step.py `head_screen`)
+"""The LM head's int8 screen (kernels/csrc/head_screen.cpp, models/greedy_step.py `head_screen`)
 picks the full float32 head's greedy tokens, answers nothing where it cannot decide, and is what
 a greedy step of up to four rows reads."""
 
@@ -16,10 +16,10 @@ from services.worker.models.greedy_step import DISABLE_SCREEN_ENV, head_screen
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
-def _screen(head: torch.Tensor) -> tuple[torch.Tensor, float, float]:
-    screen, max_abs, max_row_l1 = head_screen(head, SimpleNamespace(weights=[]))
-    assert screen is not None
-    return screen, max_abs, max_row_l1
+def _screen(head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    screen, scales, max_abs, max_row_l1 = head_screen(head, SimpleNamespace(weights=[]))
+    assert screen is not None and scales is not None
+    return screen, scales, max_abs, max_row_l1
 
 
 def _full_head_tokens(x: torch.Tensor, head: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -30,16 +30,17 @@ def _full_head_tokens(x: torch.Tensor, head: torch.Tensor, bias: torch.Tensor | 
 
 @pytest.mark.parametrize(("vocab", "hidden"), [(8192, 256), (1000, 100), (37, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_screen_picks_the_full_heads_tokens(vocab: int, hidden: int, with_bias: bool) -> None:
+@pytest.mark.parametrize("head_dtype", [torch.float32, torch.bfloat16])
+def test_screen_picks_the_full_heads_tokens(vocab: int, hidden: int, with_bias: bool, head_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(vocab + hidden)
     for trial in range(12):
-        head = torch.randn(vocab, hidden, generator=gen) * 0.2
+        head = (torch.randn(vocab, hidden, generator=gen) * 0.2).to(head_dtype)
         bias = torch.randn(vocab, generator=gen) if with_bias else None
         rows = 1 + trial % 4
         x = torch.randn(rows, hidden, generator=gen) * (1 + trial)
         if trial % 3 == 0:  # a cluster of near-ties at the top: several candidates to tell apart
-            head[1:40] = head[0] + torch.randn(min(39, vocab - 1), hidden, generator=gen) * 1e-6
-            x[:] = head[0] * 3
+            head[1:40] = head[0] + torch.randn(min(39, vocab - 1), hidden, generator=gen).to(head_dtype) * 1e-3
+            x[:] = head[0].float() * 3
         tokens = torch.ops.spindle.screened_argmax(x, head, *_screen(head), bias)
         assert tokens is not None
         assert torch.equal(tokens, _full_head_tokens(x, head, bias))
@@ -80,11 +81,14 @@ def test_the_screen_decides_which_rows_are_computed() -> None:
 def test_head_screen_built_only_where_it_pays(monkeypatch: pytest.MonkeyPatch) -> None:
     head = torch.randn(1000, 64)
     small_stack = SimpleNamespace(weights=[torch.zeros(64, 64)])
-    screen, max_abs, max_row_l1 = head_screen(head, small_stack)
-    assert screen is not None and screen.dtype == torch.bfloat16
+    screen, scales, max_abs, max_row_l1 = head_screen(head, small_stack)
+    assert screen is not None and screen.dtype == torch.int8 and scales is not None
+    assert int(screen.abs().amax(dim=1).min()) == 127, "each row's largest weight is +-127"
+    assert torch.all((screen.float() * scales[:, None] - head).abs() <= scales[:, None] / 2 * 1.0001)
     assert max_abs == float(head.abs().max())
     assert max_row_l1 == pytest.approx(float(head.abs().sum(dim=1).max()), rel=1e-6)
-    assert head_screen(head.bfloat16(), small_stack)[0] is None, "not a float32 head"
+    assert head_screen(head.bfloat16(), small_stack)[0] is not None, "bfloat16 weights under float32 activations"
+    assert head_screen(head.half(), small_stack)[0] is None, "float16"
     assert head_screen(head.T, small_stack)[0] is None, "a strided head"
     assert head_screen(head, SimpleNamespace(weights=[torch.zeros(64, 64 * 1000 * 20)]))[0] is None, "a small share"
     monkeypatch.setenv(DISABLE_SCREEN_ENV, "1")

@@ -13,10 +13,10 @@ or grammar (model_runner.py `_greedy_step`); the stack must cover the step and t
 run its small-M kernel at that many rows. Everything else keeps the Python path.
 `SPINDLE_DISABLE_GREEDY_STEP=1` keeps it for side-by-side runs.
 
-A float32 LM head also gets a bfloat16 screen (kernels/csrc/head_screen.cpp): a step of a few
-rows reads 2 bytes a weight of the head, and the exact float32 logits of only the rows the
-screen's error bound leaves in the running, so its tokens are the full head's. It costs half the
-head's bytes again in memory, so it is built only where the head is at least
+The LM head (float32, or bfloat16 weights under float32 activations) also gets an int8 screen
+(kernels/csrc/head_screen.cpp): a step of up to 4 rows reads 1 byte a weight of the head, and
+the exact logits of only the rows the screen's error bound leaves in the running, so its tokens
+are the full head's. It costs a byte a weight of memory, so it is built only where the head is at least
 `SCREEN_MIN_HEAD_SHARE` of the weights a step reads (the small benchmark model: 41 %, the
 medium: 8 %; a 7B model with a 32k vocabulary: 4 %). `SPINDLE_DISABLE_HEAD_SCREEN=1` reads the
 full head (side-by-side runs).
@@ -50,7 +50,7 @@ class GreedyStep:
     plan: torch.ScriptObject  # torch.classes.spindle.DecoderPlan
     stack: NativeStack
     lm_head: FastLinear
-    screen: torch.Tensor | None = None  # the head's bfloat16 screen, which the plan shares (head_screen)
+    screen: torch.Tensor | None = None  # the head's int8 screen, which the plan shares (head_screen)
 
     def accepts(self, input_ids: torch.Tensor, kv_caches: Sequence[torch.Tensor] | None, meta: object) -> bool:
         """The stack covers the step and the LM head runs its small-M kernel at that many rows
@@ -98,23 +98,30 @@ def build_greedy_step(stack: NativeStack | None, embedding: nn.Embedding, embed_
     return GreedyStep(plan, stack, lm_head, screen[0])
 
 
-def head_screen(head: torch.Tensor, stack: NativeStack) -> tuple[torch.Tensor | None, float, float]:
-    """(the head in bfloat16, its largest |w|, its largest row sum of |w|) for
-    kernels/csrc/head_screen.cpp, or (None, 0, 0) (logged) where the head is not screened."""
+Screen = tuple[torch.Tensor | None, torch.Tensor | None, float, float]
+
+
+def head_screen(head: torch.Tensor, stack: NativeStack) -> Screen:
+    """(the head in int8, its rows' scales, its largest |w|, its largest row sum of |w|) for
+    kernels/csrc/head_screen.cpp, or (None, None, 0, 0) (logged) where the head is not screened."""
     head_bytes = head.numel() * head.element_size()
     share = head_bytes / (head_bytes + sum(w.numel() * w.element_size() for w in stack.weights))
     reason = None
     if switch_on(DISABLE_SCREEN_ENV):
         reason = f"disabled by {DISABLE_SCREEN_ENV}"
-    elif head.dtype != torch.float32 or not head.is_contiguous():
-        reason = f"the head is {head.dtype}{'' if head.is_contiguous() else ' and strided'}, not contiguous float32"
+    elif head.dtype not in (torch.float32, torch.bfloat16) or not head.is_contiguous():
+        layout = "" if head.is_contiguous() else ", strided"
+        reason = f"the head is {head.dtype}{layout}, not contiguous float32 or bfloat16"
     elif share < SCREEN_MIN_HEAD_SHARE:
         reason = f"the head is {share:.1%} of a step's weight bytes (< {SCREEN_MIN_HEAD_SHARE:.0%})"
     if reason is not None:
         logger.info("greedy steps read the whole LM head: %s", reason)
-        return None, 0.0, 0.0
-    magnitudes = head.abs()
-    logger.info("greedy steps of up to 4 rows screen the LM head in bfloat16 (+%.1f MB; the head is %.0f%% "
-                "of a step's weight bytes)", head_bytes / 2 / 1e6, 100 * share)
-    return (head.to(torch.bfloat16).contiguous(), float(magnitudes.max()),
-            float(magnitudes.sum(dim=1, dtype=torch.float64).max()))
+        return None, None, 0.0, 0.0
+    magnitudes = head.float().abs()
+    row_max = magnitudes.amax(dim=1)
+    # An all-zero row keeps scale 1 (its int8 copy is zeros either way, and the bound uses max |w|).
+    scales = torch.where(row_max > 0, row_max / 127, torch.ones_like(row_max)).contiguous()
+    screen = torch.round(head.float() / scales[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    logger.info("greedy steps of up to 4 rows screen the LM head in int8 (+%.1f MB; the head is %.0f%% of a "
+                "step's weight bytes)", screen.numel() / 1e6, 100 * share)
+    return screen, scales, float(row_max.max()), float(magnitudes.sum(dim=1, dtype=torch.float64).max())

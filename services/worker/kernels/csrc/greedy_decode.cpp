@@ -9,9 +9,9 @@
 // ~45 weights, biases and caches from Python objects on every step. Here the model's parameters
 // live in a `DecoderPlan` built once at load, so a step passes only what changes: the token ids,
 // the caches and the step's attention metadata. The kernels and their order are those of the
-// Python path, so the tokens are the same. With a float32 head's bfloat16 screen in the plan, a
-// step of up to kScreenRows rows reads the screen instead of the head (head_screen.cpp), and the
-// full head only where the screen cannot decide.
+// Python path, so the tokens are the same. With the head's int8 screen in the plan, a step of up
+// to kScreenRows rows of float32 activations reads the screen instead of the head
+// (head_screen.cpp), and the full head only where the screen cannot decide.
 
 #include "kernel_ops.h"
 
@@ -42,20 +42,22 @@ struct DecoderPlan : torch::CustomClassHolder {
   double scale, softcap;
   at::Tensor cos, sin, embedding, head;
   c10::optional<at::Tensor> embed_scale, head_bias;
-  // head_screen.cpp: the head in bfloat16 (float32 heads only), its largest |w| and largest row sum of |w|.
-  c10::optional<at::Tensor> head_screen;
+  // head_screen.cpp: the head in int8 and its rows' scales, its largest |w| and largest row sum of |w|.
+  c10::optional<at::Tensor> head_screen, head_screen_scales;
   double head_max_abs, head_max_row_l1;
 
   DecoderPlan(std::vector<at::Tensor> weights, std::vector<c10::optional<at::Tensor>> biases,
               std::vector<int64_t> windows, double eps, bool unit_offset, int64_t activation, int64_t num_heads,
               double scale, double softcap, at::Tensor cos, at::Tensor sin, at::Tensor embedding,
               c10::optional<at::Tensor> embed_scale, at::Tensor head, c10::optional<at::Tensor> head_bias,
-              c10::optional<at::Tensor> head_screen, double head_max_abs, double head_max_row_l1)
+              c10::optional<at::Tensor> head_screen, c10::optional<at::Tensor> head_screen_scales,
+              double head_max_abs, double head_max_row_l1)
       : weights(std::move(weights)), biases(std::move(biases)), windows(std::move(windows)), eps(eps),
         unit_offset(unit_offset), activation(activation), num_heads(num_heads), scale(scale), softcap(softcap),
         cos(std::move(cos)), sin(std::move(sin)), embedding(std::move(embedding)), head(std::move(head)),
         embed_scale(std::move(embed_scale)), head_bias(std::move(head_bias)), head_screen(std::move(head_screen)),
-        head_max_abs(head_max_abs), head_max_row_l1(head_max_row_l1) {}
+        head_screen_scales(std::move(head_screen_scales)), head_max_abs(head_max_abs),
+        head_max_row_l1(head_max_row_l1) {}
 };
 
 at::Tensor greedy_decode(const c10::intrusive_ptr<DecoderPlan>& plan, const at::Tensor& input_ids,
@@ -73,8 +75,8 @@ at::Tensor greedy_decode(const c10::intrusive_ptr<DecoderPlan>& plan, const at::
   const bool plain_bias = !plan->head_bias.has_value() ||
                           (plan->head_bias->scalar_type() == at::kFloat && plan->head_bias->is_contiguous());
   if (plan->head_screen.has_value() && last.size(0) <= kScreenRows && last.scalar_type() == at::kFloat && plain_bias) {
-    c10::optional<at::Tensor> tokens = screened_argmax(last, plan->head, *plan->head_screen, plan->head_max_abs,
-                                                       plan->head_max_row_l1, plan->head_bias);
+    c10::optional<at::Tensor> tokens = screened_argmax(last, plan->head, *plan->head_screen, *plan->head_screen_scales,
+                                                       plan->head_max_abs, plan->head_max_row_l1, plan->head_bias);
     if (tokens.has_value()) return *tokens;
   }
   return argmax_rows(linear_small_m(last, plan->head, plan->head_bias, /*float_out=*/true));
@@ -88,7 +90,7 @@ TORCH_LIBRARY_FRAGMENT(spindle, m) {
       .def(torch::init<std::vector<at::Tensor>, std::vector<c10::optional<at::Tensor>>, std::vector<int64_t>, double,
                        bool, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor,
                        c10::optional<at::Tensor>, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
-                       double, double>());
+                       c10::optional<at::Tensor>, double, double>());
   m.def(
       "greedy_decode(__torch__.torch.classes.spindle.DecoderPlan plan, Tensor input_ids, Tensor(a!)[] kv_caches, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor work_items, "

@@ -1,40 +1,43 @@
-// Greedy tokens from a float32 LM head that reads half its bytes: a bfloat16 screen, then the
-// exact float32 logits of the few rows that could still be the largest.
+// Greedy tokens from an LM head read at one byte a weight: an int8 screen, then the exact logits
+// of the few rows that could still be the largest.
 //
 // Why: a decode step of one stream reads every weight once, so its time is its bytes. The small
 // benchmark model's LM head (8,192 x 256 float32, 8.4 MB) is 41 % of a step's 20.4 MB, and on a
 // 2-core AMD EPYC Zen 3 whose last-level cache keeps ~12-16 MB of them, the step streams from
 // memory. A greedy step needs only the index of the largest logit, not the logits.
 //
-// How: s_r = x . bf16(w_r) + b_r for every row r of the head (linear_small_m on the bfloat16
-// copy), and a bound B on |s_r - l_r| for all r, where l_r is the float32 logit the full path
-// computes (row_dot + bias, linear_small_m.cpp). bf16 rounds each weight by at most 2^-8 of
-// itself, and a float32 sum of K products is off its real value by at most gamma_K = K 2^-24 /
-// (1 - K 2^-24) of the sum of the products' magnitudes (in any order, with or without FMA), so
-// with A = |x|_1 max |w| or |x|_inf max_r sum_k |w_rk|, whichever is smaller (both head norms are
-// taken once, when the plan is built), each sum_k |x_k| |w_rk| <= A and
-//   |s_r - l_r| <= (2^-8 + 2 gamma_K (1 + 2^-8)) A + 2^-24 (|s_r| + |l_r|)   (the bias adds).
-// The largest l_r then belongs to a row with s_r >= max_j s_j - 2B; those rows' exact logits come
-// from the same row_dot the full path runs at one row, and the first of their largest is the
-// token (the first index of the maximum, as argmax_rows). Where B is not finite (a NaN or inf in
-// x or in the screen) or more than kMaxCandidates rows qualify, the call answers nothing and the
+// How: each row r of the head (float32, or bfloat16 under --weight-dtype; float32 activations)
+// has an int8 copy q_r with one scale s_r = max_k |w_rk| / 127, so |w_rk - q_rk s_r| <= s_r / 2
+// (models/greedy_step.py `head_screen` builds them once). The screened logit t_r = (x . q_r) s_r
+// + b_r is off the logit l_r the full path computes (row_dot + bias, linear_small_m.cpp) by the
+// quantisation, at most |x|_1 max_r s_r / 2, plus float32 rounding: a sum of K products is off
+// its real value by at most gamma_K = K 2^-24 / (1 - K 2^-24) of the sum of the products'
+// magnitudes (in any order, with or without FMA), bounded by A = |x|_1 max |w| or |x|_inf
+// max_r sum_k |w_rk|, whichever is smaller (both head norms taken at build time), plus a few
+// roundings of the scale and the bias, each at most 2^-24 of the largest |t|. With that bound B
+// on every |t_r - l_r|, the largest l_r belongs to a row with t_r >= max_j t_j - 2B; those rows'
+// exact logits come from the same row_dot the full path runs at one row, and the first of their
+// largest is the token (the first index of the maximum, as argmax_rows). Where B is not finite
+// (a NaN or inf in x) or more than kMaxCandidates rows qualify, the call answers nothing and the
 // caller runs the full head.
 //
-// Cost: the screen reads 2 bytes a weight; the bound is two vector passes over the N screened
-// logits; candidates are a handful of K-long dot products (random models and trained ones alike
-// leave a few).
+// Cost: the screen reads 1 byte a weight (a quarter of a float32 head, half a bfloat16 one);
+// the bound is two vector passes over the N screened logits; candidates are a handful of K-long
+// dot products (a random model's bound leaves ~5 of 8,192). A bfloat16 screen (2 bytes a weight,
+// its rounding relative to each weight) decided as many rows but was 7 % slower a step in
+// process (small model, Zen 3).
 
 #include "kernel_ops.h"
 #include "work_pool.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <tuple>
 #include <utility>
 
@@ -81,9 +84,52 @@ std::pair<float, float> max_and_magnitude(const float* t, int64_t n) {
   return nan ? std::pair<float, float>{NAN, NAN} : std::pair<float, float>{best, magnitude};
 }
 
+#ifdef __AVX2__
+inline __m256 load8_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
+// x . q over K for int8 q (one sequential read of q, as row_dot reads a float32 row).
+inline float dot_i8(const float* x, const int8_t* q, int64_t K) {
+  int64_t k = 0;
+  float sum = 0.0f;
+#ifdef __AVX2__
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (; k + 32 <= K; k += 32)
+    for (int u = 0; u < 4; ++u)
+      acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8 * u), load8_i8(q + k + 8 * u), acc[u]);
+  for (; k + 8 <= K; k += 8) acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8_i8(q + k), acc[0]);
+  __m256 v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_hadd_ps(h, h);
+  h = _mm_hadd_ps(h, h);
+  sum = _mm_cvtss_f32(h);
+#endif
+  for (; k < K; ++k) sum += x[k] * static_cast<float>(q[k]);
+  return sum;
+}
+
+// t[m][r] = (x[m] . q[r]) * scales[r] + bias[r] for an int8 screen.
+at::Tensor int8_logits(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const float* bias) {
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  at::Tensor t = at::empty({M, N}, x.options());
+  const float* xs = x.data_ptr<float>();
+  const int8_t* qs = q.data_ptr<int8_t>();
+  const float* sc = scales.data_ptr<float>();
+  float* ts = t.data_ptr<float>();
+  spindle::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t m = 0; m < M; ++m)
+        ts[m * N + r] = dot_i8(xs + m * K, qs + r * K, K) * sc[r] + (bias != nullptr ? bias[r] : 0.0f);
+  });
+  return t;
+}
+
 // The token of one row from its screened logits `t` (bias added), or -1 when they cannot decide it.
-int64_t screened_row(const float* x, const float* t, const float* head, const float* bias, int64_t N, int64_t K,
-                     double coefficient, double max_abs, double max_row_l1) {
+template <typename W>
+int64_t screened_row(const float* x, const float* t, const W* head, const float* bias, int64_t N, int64_t K,
+                     double coefficient, double quantum, double max_abs, double max_row_l1) {
   double x_l1 = 0.0, x_inf = 0.0;
   for (int64_t k = 0; k < K; ++k) {
     const double a = std::fabs(static_cast<double>(x[k]));
@@ -93,7 +139,8 @@ int64_t screened_row(const float* x, const float* t, const float* head, const fl
   const double dots = std::min(x_l1 * (1.0 + 1e-12 * static_cast<double>(K)) * max_abs, x_inf * max_row_l1);
   const auto [top, magnitude] = max_and_magnitude(t, N);
   // The screen's error, the bias's rounding on both sides, and a margin for subnormal weights.
-  const double bound = coefficient * dots + 2.0 * kUnit * (magnitude + coefficient * dots) + 1e-37;
+  const double step_error = quantum * x_l1 * (1.0 + 1e-12 * static_cast<double>(K)) * max_abs;
+  const double bound = coefficient * (dots + step_error) + step_error + 4.0 * kUnit * (magnitude + coefficient * dots + step_error) + 1e-37;
   if (!std::isfinite(bound) || std::isnan(top)) return -1;
   // Every row whose screened logit reaches this may hold the largest logit (rounded down to float).
   const float floor = std::nextafter(static_cast<float>(static_cast<double>(top) - 2.0 * bound), -INFINITY);
@@ -101,7 +148,7 @@ int64_t screened_row(const float* x, const float* t, const float* head, const fl
   float best_logit = 0.0f;
   auto consider = [&](int64_t r) {
     if (++count > kMaxCandidates) return false;
-    const float logit = row_dot_f32(x, head + r * K, K) + (bias != nullptr ? bias[r] : 0.0f);
+    const float logit = row_dot_f32(x, head + r * K, K) + (bias != nullptr ? bias[r] : 0.0f);  // as run() stores it
     if (std::isnan(logit)) return false;
     if (best < 0 || logit > best_logit) {
       best = r;
@@ -126,14 +173,17 @@ int64_t screened_row(const float* x, const float* t, const float* head, const fl
 }  // namespace
 
 c10::optional<at::Tensor> screened_argmax(const at::Tensor& x_in, const at::Tensor& head, const at::Tensor& screen,
-                                          double max_abs, double max_row_l1, const c10::optional<at::Tensor>& bias) {
+                                          const at::Tensor& scales, double max_abs, double max_row_l1,
+                                          const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "screened_argmax: x must be float32 [M, K]");
-  TORCH_CHECK(head.dim() == 2 && head.scalar_type() == at::kFloat && head.is_contiguous() &&
-                  head.size(1) == x_in.size(1),
-              "screened_argmax: head must be a contiguous float32 [N, K]");
-  TORCH_CHECK(screen.scalar_type() == at::kBFloat16 && screen.sizes() == head.sizes(),
-              "screened_argmax: screen must be the head in bfloat16");
+  TORCH_CHECK(head.dim() == 2 && head.is_contiguous() && head.size(1) == x_in.size(1) &&
+                  (head.scalar_type() == at::kFloat || head.scalar_type() == at::kBFloat16),
+              "screened_argmax: head must be a contiguous float32 or bfloat16 [N, K]");
+  TORCH_CHECK(screen.scalar_type() == at::kChar && screen.sizes() == head.sizes() && screen.is_contiguous(),
+              "screened_argmax: screen must be the head in int8");
   const int64_t N = head.size(0), K = head.size(1), M = x_in.size(0);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
+              "screened_argmax: scales must be float32 [N]");
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
@@ -141,17 +191,21 @@ c10::optional<at::Tensor> screened_argmax(const at::Tensor& x_in, const at::Tens
     b = bias->data_ptr<float>();
   }
   const at::Tensor x = x_in.contiguous();
-  // The bias goes in as the full path adds it (fp32, after the sum): its rounding is in the bound.
-  at::Tensor screened = linear_small_m(x, screen, bias, /*float_out=*/true);
+  const at::Tensor screened = int8_logits(x, screen, scales, b);
   const double gamma = static_cast<double>(K) * kUnit / (1.0 - static_cast<double>(K) * kUnit);
-  const double coefficient = (1.0 / 256.0 + 2.0 * gamma * (1.0 + 1.0 / 256.0)) * (1.0 + 1e-6);
+  const double coefficient = 2.0 * gamma * (1.0 + 1.0 / 254.0) * (1.0 + 1e-6);
+  const double quantum = 1.01 / 254.0;  // s_r / 2 = max_k |w_rk| / 254, and the scale's rounding
   at::Tensor tokens = at::empty({M}, x.options().dtype(at::kLong));
   int64_t* out = tokens.data_ptr<int64_t>();
   std::atomic<bool> decided{true};
   spindle::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      out[m] = screened_row(x.data_ptr<float>() + m * K, screened.data_ptr<float>() + m * N, head.data_ptr<float>(),
-                            b, N, K, coefficient, max_abs, max_row_l1);
+      const float* xm = x.data_ptr<float>() + m * K;
+      const float* tm = screened.data_ptr<float>() + m * N;
+      out[m] = head.scalar_type() == at::kFloat
+                   ? screened_row(xm, tm, head.data_ptr<float>(), b, N, K, coefficient, quantum, max_abs, max_row_l1)
+                   : screened_row(xm, tm, head.data_ptr<c10::BFloat16>(), b, N, K, coefficient, quantum, max_abs,
+                                  max_row_l1);
       if (out[m] < 0) decided.store(false, std::memory_order_relaxed);
     }
   });
@@ -169,7 +223,7 @@ std::tuple<int64_t, int64_t> head_screen_counts() { return {rows_decided.load(),
 }  // namespace spindle
 
 TORCH_LIBRARY_FRAGMENT(spindle, m) {
-  m.def("screened_argmax(Tensor x, Tensor head, Tensor screen, float max_abs, float max_row_l1, Tensor? bias) "
+  m.def("screened_argmax(Tensor x, Tensor head, Tensor screen, Tensor scales, float max_abs, float max_row_l1, Tensor? bias) "
         "-> Tensor?");
   m.def("head_screen_counts() -> (int, int)", &spindle::head_screen_counts);
 }

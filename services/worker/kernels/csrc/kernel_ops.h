@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Optional.h>
 
 #include <cstdint>
@@ -30,11 +31,13 @@ at::Tensor act_and_mul(const at::Tensor& gate_up_in, int64_t activation);
 
 at::Tensor argmax_rows(const at::Tensor& logits_in);
 
-// x . w over K as linear_small_m computes each logit of one float32 row (head_screen.cpp).
+// x . w over K as linear_small_m computes each output of one float32 row (head_screen.cpp).
 float row_dot_f32(const float* x, const float* w, int64_t K);
+float row_dot_f32(const float* x, const c10::BFloat16* w, int64_t K);
 
 c10::optional<at::Tensor> screened_argmax(const at::Tensor& x_in, const at::Tensor& head, const at::Tensor& screen,
-                                          double max_abs, double max_row_l1, const c10::optional<at::Tensor>& bias);
+                                          const at::Tensor& scales, double max_abs, double max_row_l1,
+                                          const c10::optional<at::Tensor>& bias);
 
 at::Tensor decoder_stack(const at::Tensor& hidden, const std::vector<at::Tensor>& weights,
                          const std::vector<c10::optional<at::Tensor>>& biases, const std::vector<at::Tensor>& kv_caches,

@@ -384,6 +384,7 @@ void run(const float* x, const W* w, const float* bias, Y* y, int64_t M, int64_t
 }  // namespace
 
 float row_dot_f32(const float* x, const float* w, int64_t K) { return row_dot(x, w, K); }
+float row_dot_f32(const float* x, const c10::BFloat16* w, int64_t K) { return row_dot(x, w, K); }
 
 namespace {
 
