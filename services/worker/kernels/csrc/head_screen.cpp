@@ -53,7 +53,7 @@ constexpr int64_t kMaxCandidates = 64;
 std::atomic<int64_t> rows_decided{0}, rows_undecided{0};
 constexpr double kUnit = 1.0 / 16777216.0;  // 2^-24: float32's unit roundoff
 
-// The largest of t[0..n) and the largest |t|; NaN for the first where t holds a NaN.
+// The largest of t[0..n) and the largest |t|, or (NaN, NaN) where t holds a NaN.
 std::pair<float, float> max_and_magnitude(const float* t, int64_t n) {
   float best = -INFINITY, magnitude = 0.0f;
   bool nan = false;
