@@ -135,7 +135,10 @@ def test_a_round_that_raises_inside_the_worker(tiny_models: dict[str, Path], tmp
     model = tiny_models["mistral"]
     jobs = jobs_for(33, count=16, max_out=60)
     with redis_server(tmp_path) as redis:
-        serve, metrics_port = _serve(model, redis, env={"SPINDLE_FAULT_FAIL_ROUND": "6"})
+        # Fixed 8-step rounds: rounds grown to the step time (multi_step.round_steps) can serve
+        # this tiny model's whole workload in fewer than six, and then no round fails.
+        env = {"SPINDLE_FAULT_FAIL_ROUND": "6", "SPINDLE_ROUND_TARGET_MS": "0"}
+        serve, metrics_port = _serve(model, redis, env=env)
         with serve as server:
             results = run_with_fault(server, jobs, lambda: None, after_tokens=1)
             wait_until_idle(server, metrics_port, redis)
