@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 def _screen(head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float, float]:
-    screen, scales, max_abs, max_row_l1 = head_screen(head, SimpleNamespace(weights=[]))
+    screen, scales, max_abs, max_row_l1 = head_screen(head, None, SimpleNamespace(weights=[torch.ones(head.shape[1])]))
     assert screen is not None and scales is not None
     return screen, scales, max_abs, max_row_l1
 
@@ -81,18 +81,24 @@ def test_the_screen_decides_which_rows_are_computed() -> None:
 def test_head_screen_built_only_where_it_pays(monkeypatch: pytest.MonkeyPatch) -> None:
     head = torch.randn(1000, 64)
     small_stack = SimpleNamespace(weights=[torch.zeros(64, 64)])
-    screen, scales, max_abs, max_row_l1 = head_screen(head, small_stack)
+    screen, scales, max_abs, max_row_l1 = head_screen(head, None, small_stack)
     assert screen is not None and screen.dtype == torch.int8 and scales is not None
     assert int(screen.abs().amax(dim=1).min()) == 127, "each row's largest weight is +-127"
     assert torch.all((screen.float() * scales[:, None] - head).abs() <= scales[:, None] / 2 * 1.0001)
     assert max_abs == float(head.abs().max())
     assert max_row_l1 == pytest.approx(float(head.abs().sum(dim=1).max()), rel=1e-6)
-    assert head_screen(head.bfloat16(), small_stack)[0] is not None, "bfloat16 weights under float32 activations"
-    assert head_screen(head.half(), small_stack)[0] is None, "float16"
-    assert head_screen(head.T, small_stack)[0] is None, "a strided head"
-    assert head_screen(head, SimpleNamespace(weights=[torch.zeros(64, 64 * 1000 * 20)]))[0] is None, "a small share"
+    assert head_screen(head.bfloat16(), None, small_stack)[0] is not None, "bfloat16 weights under float32 activations"
+    assert head_screen(head.half(), None, small_stack)[0] is None, "float16"
+    assert head_screen(head.T, None, small_stack)[0] is None, "a strided head"
+    big_stack = SimpleNamespace(weights=[torch.zeros(64, 64 * 1000 * 20)])
+    assert head_screen(head, None, big_stack)[0] is None, "a small share"
+    bf16_stack = SimpleNamespace(weights=[torch.zeros(64, 64, dtype=torch.bfloat16)])
+    assert head_screen(head.bfloat16(), None, bf16_stack)[0] is None, "bfloat16 activations"
+    assert head_screen(head, torch.zeros(1000), small_stack)[0] is not None, "a float32 bias"
+    assert head_screen(head, torch.zeros(1000).bfloat16(), small_stack)[0] is None, "a bfloat16 bias"
+    assert head_screen(head, torch.zeros(2000)[::2], small_stack)[0] is None, "a strided bias"
     monkeypatch.setenv(DISABLE_SCREEN_ENV, "1")
-    assert head_screen(head, small_stack)[0] is None
+    assert head_screen(head, None, small_stack)[0] is None
 
 
 def test_greedy_steps_of_up_to_four_rows_read_the_screen(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -89,11 +89,12 @@ def build_greedy_step(stack: NativeStack | None, embedding: nn.Embedding, embed_
         return None
     assert stack is not None and isinstance(lm_head, FastLinear)
     head = lm_head.weight.detach()
-    screen = head_screen(head, stack)
+    bias = None if lm_head.bias is None else lm_head.bias.detach()
+    screen = head_screen(head, bias, stack)
     plan = torch.classes.spindle.DecoderPlan(
         stack.weights, stack.biases, stack.windows, stack.eps, stack.unit_offset, stack.activation,
         stack.num_heads, stack.scale, stack.softcap, *rotary, embedding.weight.detach(),
-        embed_scale, head, None if lm_head.bias is None else lm_head.bias.detach(), *screen,
+        embed_scale, head, bias, *screen,
     )
     return GreedyStep(plan, stack, lm_head, screen[0])
 
@@ -101,9 +102,12 @@ def build_greedy_step(stack: NativeStack | None, embedding: nn.Embedding, embed_
 Screen = tuple[torch.Tensor | None, torch.Tensor | None, float, float]
 
 
-def head_screen(head: torch.Tensor, stack: NativeStack) -> Screen:
+def head_screen(head: torch.Tensor, bias: torch.Tensor | None, stack: NativeStack) -> Screen:
     """(the head in int8, its rows' scales, its largest |w|, its largest row sum of |w|) for
-    kernels/csrc/head_screen.cpp, or (None, None, 0, 0) (logged) where the head is not screened."""
+    kernels/csrc/head_screen.cpp, or (None, None, 0, 0) (logged) where the head is not screened.
+
+    The kernel takes float32 activations (the stack's first weight, a norm, is in their dtype)
+    and a float32 bias, so a plan holds a screen only where every step it screens has them."""
     head_bytes = head.numel() * head.element_size()
     share = head_bytes / (head_bytes + sum(w.numel() * w.element_size() for w in stack.weights))
     reason = None
@@ -112,6 +116,10 @@ def head_screen(head: torch.Tensor, stack: NativeStack) -> Screen:
     elif head.dtype not in (torch.float32, torch.bfloat16) or not head.is_contiguous():
         layout = "" if head.is_contiguous() else ", strided"
         reason = f"the head is {head.dtype}{layout}, not contiguous float32 or bfloat16"
+    elif stack.weights[0].dtype != torch.float32:
+        reason = f"the activations are {stack.weights[0].dtype}, not float32"
+    elif bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        reason = f"the head's bias is {bias.dtype}{'' if bias.is_contiguous() else ', strided'}, not contiguous float32"
     elif share < SCREEN_MIN_HEAD_SHARE:
         reason = f"the head is {share:.1%} of a step's weight bytes (< {SCREEN_MIN_HEAD_SHARE:.0%})"
     if reason is not None:

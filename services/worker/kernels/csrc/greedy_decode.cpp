@@ -72,9 +72,8 @@ at::Tensor greedy_decode(const c10::intrusive_ptr<DecoderPlan>& plan, const at::
                                         plan->unit_offset, plan->activation, plan->num_heads, plan->scale,
                                         plan->softcap, slot_mapping, block_tables, seq_lens, query_start_loc,
                                         work_items, positions.contiguous(), plan->cos, plan->sin);
-  const bool plain_bias = !plan->head_bias.has_value() ||
-                          (plan->head_bias->scalar_type() == at::kFloat && plan->head_bias->is_contiguous());
-  if (plan->head_screen.has_value() && last.size(0) <= kScreenRows && last.scalar_type() == at::kFloat && plain_bias) {
+  // A plan holds a screen only for float32 activations and a float32 bias, if any (greedy_step.py).
+  if (plan->head_screen.has_value() && last.size(0) <= kScreenRows) {
     c10::optional<at::Tensor> tokens = screened_argmax(last, plan->head, *plan->head_screen, *plan->head_screen_scales,
                                                        plan->head_max_abs, plan->head_max_row_l1, plan->head_bias);
     if (tokens.has_value()) return *tokens;

@@ -28,6 +28,7 @@
 // process (small model, Zen 3).
 
 #include "kernel_ops.h"
+#include "vec_math.h"
 #include "work_pool.h"
 
 #include <ATen/core/Tensor.h>
@@ -67,13 +68,8 @@ std::pair<float, float> max_and_magnitude(const float* t, int64_t n) {
     vmag = _mm256_max_ps(vmag, _mm256_andnot_ps(sign, v));
     vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
   }
-  alignas(32) float lanes[2][8];
-  _mm256_store_ps(lanes[0], vbest);
-  _mm256_store_ps(lanes[1], vmag);
-  for (int j = 0; j < 8; ++j) {
-    best = std::max(best, lanes[0][j]);
-    magnitude = std::max(magnitude, lanes[1][j]);
-  }
+  best = max_lane(vbest);
+  magnitude = max_lane(vmag);
   nan = _mm256_movemask_ps(vnan) != 0;
 #endif
   for (; i < n; ++i) {
@@ -100,11 +96,7 @@ inline float dot_i8(const float* x, const int8_t* q, int64_t K) {
     for (int u = 0; u < 4; ++u)
       acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8 * u), load8_i8(q + k + 8 * u), acc[u]);
   for (; k + 8 <= K; k += 8) acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8_i8(q + k), acc[0]);
-  __m256 v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_hadd_ps(h, h);
-  h = _mm_hadd_ps(h, h);
-  sum = _mm_cvtss_f32(h);
+  sum = sum_lanes(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 #endif
   for (; k < K; ++k) sum += x[k] * static_cast<float>(q[k]);
   return sum;
@@ -136,10 +128,11 @@ int64_t screened_row(const float* x, const float* t, const W* head, const float*
     x_l1 += a;
     x_inf = std::max(x_inf, a);
   }
-  const double dots = std::min(x_l1 * (1.0 + 1e-12 * static_cast<double>(K)) * max_abs, x_inf * max_row_l1);
+  const double x_l1_max_abs = x_l1 * (1.0 + 1e-12 * static_cast<double>(K)) * max_abs;  // the double sum's rounding
+  const double dots = std::min(x_l1_max_abs, x_inf * max_row_l1);
   const auto [top, magnitude] = max_and_magnitude(t, N);
   // The screen's error, the bias's rounding on both sides, and a margin for subnormal weights.
-  const double step_error = quantum * x_l1 * (1.0 + 1e-12 * static_cast<double>(K)) * max_abs;
+  const double step_error = quantum * x_l1_max_abs;
   const double bound = coefficient * (dots + step_error) + step_error + 4.0 * kUnit * (magnitude + coefficient * dots + step_error) + 1e-37;
   if (!std::isfinite(bound) || std::isnan(top)) return -1;
   // Every row whose screened logit reaches this may hold the largest logit (rounded down to float).
