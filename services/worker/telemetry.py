@@ -16,6 +16,7 @@ import time
 from opentelemetry.trace import Link, SpanContext
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.worker.head_screen_metric import HeadScreenCollector
 from services.worker.step_phases import StepPhaseCollector, StepPhases
 from shared.execute import ExecuteRound
 from shared.metrics import LATENCY_BUCKETS, STEP_LATENCY_BUCKETS
@@ -50,9 +51,12 @@ class WorkerMetrics:
         r.register(self._step_phases)
 
     def report_cpu_kernels(self, build: tuple[str, frozenset[str]] | None) -> None:
-        """The CPU kernels' build this worker loaded ((target, instruction sets)), or None for none."""
+        """The CPU kernels' build this worker loaded ((target, instruction sets)), or None for none;
+        with a build, its LM head screen's counts are exposed too (head_screen_metric.py)."""
         target, sets = build if build is not None else ("none", frozenset())
         self.cpu_kernels.labels(target=target, instruction_sets=" ".join(sorted(sets))).set(1)
+        if build is not None:
+            self.registry.register(HeadScreenCollector())
 
     def report_step_phases(self, phases: StepPhases) -> None:
         """Expose these phase totals (the model runner's, step_phases.py) from now on."""

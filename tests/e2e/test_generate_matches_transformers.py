@@ -18,7 +18,9 @@ from openai import AsyncOpenAI
 from transformers import AutoTokenizer
 
 from shared.pb.spindle.v1 import generation_pb2_grpc
+from shared.ports import free_port
 from tests.e2e.clients import grpc_channel, grpc_generate
+from tests.e2e.metrics import metric_sum, scrape
 from tests.e2e.oracle import greedy_tokens, next_token_logits
 from tests.e2e.server import RunningServer, spindle_serve
 
@@ -63,8 +65,14 @@ def test_greedy_matches_transformers(tiny_models: dict[str, Path], family: str, 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     jobs = workload(seed=zlib.crc32(f"{family}-{backend}".encode()))
     expected = [greedy_tokens(model_dir, p, n) for p, n in jobs]
-    with spindle_serve(model_dir, "--attention-backend", backend) as server:
+    metrics_port = free_port(count=3)
+    with spindle_serve(model_dir, "--attention-backend", backend, "--metrics-port", str(metrics_port)) as server:
         grpc_results, http_results = asyncio.run(run_both_apis(server, jobs))
+        worker = scrape(metrics_port + 2)
+    if backend == "paged":
+        # The last streams of each API decode alone: their steps took the LM head's int8 screen
+        # (kernels/csrc/head_screen.cpp), and those tokens are checked below like every other.
+        assert metric_sum(worker, "spindle:worker_head_screen_rows_total", outcome="decided") > 0
     for (prompt, max_tokens), want, got in zip(jobs, expected, grpc_results, strict=True):
         assert got.token_ids == want, f"gRPC prompt {prompt} max_tokens {max_tokens}"
         assert got.finish_reason == ("stop" if want[-1] == 1 else "length")

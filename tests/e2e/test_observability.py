@@ -22,6 +22,7 @@ from benchmarks.otlp_receiver import ReceivedSpan, otlp_receiver
 from shared.pb.spindle.v1 import generation_pb2, generation_pb2_grpc
 from shared.ports import free_port
 from tests.e2e.clients import grpc_channel
+from tests.e2e.metrics import metric_sum, scrape
 from tests.e2e.server import RunningServer, spindle_serve
 
 pytestmark = pytest.mark.e2e
@@ -66,28 +67,6 @@ async def _workload(server: RunningServer, traceparents: list[str]) -> None:
     assert all(r == "FINISH_REASON_LENGTH" for r in results[half:])
 
 
-def _scrape(port: int) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value} (label order as exposed)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
-
-
-def _sum(metrics: dict[str, float], name: str, **labels: str) -> float:
-    """Sum of every series of `name` whose labels include `labels`."""
-    total = 0.0
-    for key, value in metrics.items():
-        same_name = key == name or key.startswith(name + "{")
-        if same_name and all(f'{k}="{v}"' in key for k, v in labels.items()):
-            total += value
-    return total
-
-
 def _complete(spans: list[ReceivedSpan], trace_ids: set[str]) -> bool:
     by_trace: dict[str, set[str]] = defaultdict(set)
     for span in spans:
@@ -106,7 +85,7 @@ def test_each_request_is_one_connected_trace_and_metrics_count_it(tiny_models: d
             asyncio.run(_workload(server, [tp for tp, _, _ in clients]))
             trace_ids = {trace_id for _, trace_id, _ in clients}
             spans = receiver.wait_for(lambda s: _complete(s, trace_ids))
-            frontend, scheduler, worker = (_scrape(metrics_port + i) for i in range(3))
+            frontend, scheduler, worker = (scrape(metrics_port + i) for i in range(3))
 
     by_id = {s.span_id: s for s in spans}
     for _, trace_id, client_span_id in clients:
@@ -136,33 +115,35 @@ def test_each_request_is_one_connected_trace_and_metrics_count_it(tiny_models: d
     assert all(link[1] in by_id and by_id[link[1]].name == "scheduler.request" for s in rounds for link in s.links)
 
     model_label = {"model_name": server.model_name}
-    assert _sum(frontend, "spindle:request_success_total", finished_reason="length", **model_label) == NUM_REQUESTS
-    assert _sum(frontend, "spindle:generation_tokens_total") == NUM_REQUESTS * MAX_TOKENS
-    assert _sum(frontend, "spindle:prompt_tokens_total") == sum(
+    successes = metric_sum(frontend, "spindle:request_success_total", finished_reason="length", **model_label)
+    assert successes == NUM_REQUESTS
+    assert metric_sum(frontend, "spindle:generation_tokens_total") == NUM_REQUESTS * MAX_TOKENS
+    assert metric_sum(frontend, "spindle:prompt_tokens_total") == sum(
         s.attributes["gen_ai.usage.input_tokens"] for s in spans if s.name.startswith("text_completion"))
     for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
-        assert _sum(frontend, f"spindle:{histogram}_count") == NUM_REQUESTS
-    assert _sum(frontend, "spindle:inter_token_latency_seconds_count") > 0
+        assert metric_sum(frontend, f"spindle:{histogram}_count") == NUM_REQUESTS
+    assert metric_sum(frontend, "spindle:inter_token_latency_seconds_count") > 0
     # Every worker step's tokens are timed on their way: one observation per step each side.
-    to_scheduler = _sum(scheduler, "spindle:step_transit_seconds_count", hop="worker_to_scheduler")
+    to_scheduler = metric_sum(scheduler, "spindle:step_transit_seconds_count", hop="worker_to_scheduler")
     assert to_scheduler > 0
-    assert 0 < _sum(frontend, "spindle:step_transit_seconds_count", hop="worker_to_frontend") <= to_scheduler
-    assert _sum(scheduler, "spindle:step_transit_seconds_sum", hop="worker_to_scheduler") / to_scheduler < 1.0
-    assert _sum(frontend, "spindle:frontend_requests_in_flight") == 0
-    assert _sum(scheduler, "spindle:request_queue_time_seconds_count") == NUM_REQUESTS
-    assert _sum(scheduler, "spindle:num_requests_running") == 0 and _sum(scheduler, "spindle:num_requests_waiting") == 0
-    assert _sum(scheduler, "spindle:scheduler_requests_total", outcome="finished") == NUM_REQUESTS
-    assert _sum(scheduler, "spindle:prefix_cache_queries_total", worker="0") > 0
-    assert _sum(scheduler, "spindle:prefix_cache_hits_total", worker="0") > 0  # 16 identical prompts
-    assert _sum(scheduler, "spindle:kv_cache_usage_perc", worker="0") == 0
-    assert _sum(scheduler, "spindle:worker_healthy", worker="0") == 1
-    assert _sum(scheduler, "spindle:iteration_tokens_total_count") > 0
-    assert _sum(worker, "spindle:worker_ready") == 1
-    assert _sum(worker, "spindle:worker_cpu_kernels", target="native") == 1  # `make install` built them
-    assert _sum(worker, "spindle:worker_step_duration_seconds_count") >= MAX_TOKENS
-    assert _sum(worker, "spindle:worker_round_duration_seconds_count") > 0
+    assert 0 < metric_sum(frontend, "spindle:step_transit_seconds_count", hop="worker_to_frontend") <= to_scheduler
+    assert metric_sum(scheduler, "spindle:step_transit_seconds_sum", hop="worker_to_scheduler") / to_scheduler < 1.0
+    assert metric_sum(frontend, "spindle:frontend_requests_in_flight") == 0
+    assert metric_sum(scheduler, "spindle:request_queue_time_seconds_count") == NUM_REQUESTS
+    assert metric_sum(scheduler, "spindle:num_requests_running") == 0
+    assert metric_sum(scheduler, "spindle:num_requests_waiting") == 0
+    assert metric_sum(scheduler, "spindle:scheduler_requests_total", outcome="finished") == NUM_REQUESTS
+    assert metric_sum(scheduler, "spindle:prefix_cache_queries_total", worker="0") > 0
+    assert metric_sum(scheduler, "spindle:prefix_cache_hits_total", worker="0") > 0  # 16 identical prompts
+    assert metric_sum(scheduler, "spindle:kv_cache_usage_perc", worker="0") == 0
+    assert metric_sum(scheduler, "spindle:worker_healthy", worker="0") == 1
+    assert metric_sum(scheduler, "spindle:iteration_tokens_total_count") > 0
+    assert metric_sum(worker, "spindle:worker_ready") == 1
+    assert metric_sum(worker, "spindle:worker_cpu_kernels", target="native") == 1  # `make install` built them
+    assert metric_sum(worker, "spindle:worker_step_duration_seconds_count") >= MAX_TOKENS
+    assert metric_sum(worker, "spindle:worker_round_duration_seconds_count") > 0
     # Where the steps' time went (step_phases.py): every text-model phase ran, inside the rounds.
-    phases = {p: _sum(worker, "spindle:worker_step_phase_seconds_total", phase=p)
+    phases = {p: metric_sum(worker, "spindle:worker_step_phase_seconds_total", phase=p)
               for p in ("prepare", "forward", "logits", "sample", "deliver")}
     assert all(seconds > 0 for seconds in phases.values()), phases
-    assert sum(phases.values()) <= _sum(worker, "spindle:worker_round_duration_seconds_sum")
+    assert sum(phases.values()) <= metric_sum(worker, "spindle:worker_round_duration_seconds_sum")

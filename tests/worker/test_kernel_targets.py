@@ -295,6 +295,7 @@ def test_worker_kernel_tests_pass_on_a_family_build(target: str, has: str | None
 
 def test_the_worker_metric_names_the_build_it_runs(cpu_kernels: None) -> None:
     """spindle:worker_cpu_kernels: the loaded build, or target="none" where a worker runs torch's ops."""
+    import torch
     from prometheus_client import generate_latest
 
     from services.worker.telemetry import WorkerMetrics
@@ -308,3 +309,8 @@ def test_the_worker_metric_names_the_build_it_runs(cpu_kernels: None) -> None:
         exposed[name] = generate_latest(metrics.registry).decode()
     assert 'spindle:worker_cpu_kernels{instruction_sets="",target="none"} 1.0' in exposed["none"]
     assert 'spindle:worker_cpu_kernels{instruction_sets="avx2 fma",target="x86-64-v3"} 1.0' in exposed["v3"]
+    # The LM head screen's counts come with the kernels (head_screen_metric.py), and only with them.
+    assert "spindle:worker_head_screen_rows_total" not in exposed["none"]
+    decided, undecided = torch.ops.spindle.head_screen_counts()
+    assert f'spindle:worker_head_screen_rows_total{{outcome="decided"}} {float(decided)}' in exposed["v3"]
+    assert f'spindle:worker_head_screen_rows_total{{outcome="undecided"}} {float(undecided)}' in exposed["v3"]
