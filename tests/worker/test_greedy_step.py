@@ -77,6 +77,7 @@ def test_greedy_step_samples_the_python_paths_tokens(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     runner = _runner(tiny_models[family], weight_dtype, dtype)
+    assert runner.model.greedy_step is not None and runner.model.greedy_step.screen is not None  # the int8 screen
     requests = {name: (prompt, GREEDY) for name, prompt in PROMPTS.items()}
     fused, fused_calls = _generate(runner, True, requests, monkeypatch)
     python, python_calls = _generate(runner, False, requests, monkeypatch)

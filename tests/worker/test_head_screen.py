@@ -23,7 +23,8 @@ def _screen(head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float, floa
 
 
 def _full_head_tokens(x: torch.Tensor, head: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """What a one-row step without the screen picks for each row of x (linear_small_m's row_dot, argmax)."""
+    """What a one-row step without the screen picks for each row of x (linear_small_m at one row,
+    its logits rounded to x's dtype, then argmax)."""
     return torch.cat([torch.ops.spindle.argmax_rows(torch.ops.spindle.linear_small_m(x[m : m + 1], head, bias, True))
                       for m in range(x.shape[0])])
 
@@ -44,6 +45,27 @@ def test_screen_picks_the_full_heads_tokens(vocab: int, hidden: int, with_bias: 
         tokens = torch.ops.spindle.screened_argmax(x, head, *_screen(head), bias)
         assert tokens is not None
         assert torch.equal(tokens, _full_head_tokens(x, head, bias))
+
+
+@pytest.mark.parametrize("one_row_pairs", [False, True])
+@pytest.mark.parametrize(("vocab", "hidden"), [(8192, 256), (1000, 100), (37, 64)])
+def test_screen_picks_the_full_heads_tokens_for_bf16_activations(vocab: int, hidden: int, one_row_pairs: bool) -> None:
+    """bfloat16 x: the full head's logits are rounded to bfloat16, so near-ties become ties, and
+    the first of them must win; its one-row kernel (k pairs or row_dot) decides each sum's rounding."""
+    torch.ops.spindle.set_one_row_pairs(one_row_pairs)
+    try:
+        gen = torch.Generator().manual_seed(vocab * hidden)
+        for trial in range(12):
+            head = (torch.randn(vocab, hidden, generator=gen) * 0.2).bfloat16()
+            x = (torch.randn(1 + trial % 4, hidden, generator=gen) * (1 + trial)).bfloat16()
+            if trial % 3 == 0:  # rows whose logits round to the same bfloat16 value
+                head[1:40] = head[0] + (torch.randn(min(39, vocab - 1), hidden, generator=gen) * 1e-2).bfloat16()
+                x[:] = head[0] * 3
+            tokens = torch.ops.spindle.screened_argmax(x, head, *_screen(head), None)
+            assert tokens is not None
+            assert torch.equal(tokens, _full_head_tokens(x, head, None))
+    finally:
+        torch.ops.spindle.set_one_row_pairs(False)  # as the library loads; a model's loader sets its own
 
 
 def test_exact_ties_go_to_the_first_index() -> None:
@@ -93,7 +115,10 @@ def test_head_screen_built_only_where_it_pays(monkeypatch: pytest.MonkeyPatch) -
     big_stack = SimpleNamespace(weights=[torch.zeros(64, 64 * 1000 * 20)])
     assert head_screen(head, None, big_stack)[0] is None, "a small share"
     bf16_stack = SimpleNamespace(weights=[torch.zeros(64, 64, dtype=torch.bfloat16)])
-    assert head_screen(head.bfloat16(), None, bf16_stack)[0] is None, "bfloat16 activations"
+    assert head_screen(head.bfloat16(), None, bf16_stack)[0] is not None, "bfloat16 activations and head"
+    assert head_screen(head, None, bf16_stack)[0] is None, "bfloat16 activations, float32 head"
+    assert head_screen(head.bfloat16(), torch.zeros(1000).bfloat16(), bf16_stack)[0] is None, "... with a bias"
+    assert head_screen(head.half(), None, SimpleNamespace(weights=[torch.zeros(64).half()]))[0] is None, "float16"
     assert head_screen(head, torch.zeros(1000), small_stack)[0] is not None, "a float32 bias"
     assert head_screen(head, torch.zeros(1000).bfloat16(), small_stack)[0] is None, "a bfloat16 bias"
     assert head_screen(head, torch.zeros(2000)[::2], small_stack)[0] is None, "a strided bias"

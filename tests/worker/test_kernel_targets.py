@@ -28,7 +28,7 @@ from services.worker.kernels.targets import NATIVE, TARGET_ENV, family_targets_f
 REPO = Path(__file__).resolve().parents[2]
 ZEN3 = frozenset({"fpu", "sse2", "cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3", "avx", "avx2", "bmi1",
                   "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
-ZEN4 = ZEN3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16"}
+ZEN4 = ZEN3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni"}
 
 
 def test_a_cpu_runs_the_family_builds_its_instructions_allow_best_first() -> None:

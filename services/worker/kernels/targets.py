@@ -56,11 +56,13 @@ _X86_64_V3 = frozenset({"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"
 _X86_64_V4 = _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 
 # Family builds, best first: a worker without a compiler loads the first its CPU runs. v4 with
-# AVX512-BF16 is Zen 4 and later, Cooper Lake and Sapphire Rapids on (bf16 dot products in the
-# linear kernels); v4 the other AVX-512 CPUs; v3 AVX2 ones (Zen 1-3, Haswell on); x86-64 any.
+# AVX512-BF16 (and AVX512-VNNI, which every such CPU has) is Zen 4 and later, Cooper Lake and
+# Sapphire Rapids on (bf16 dot products in the linear kernels, int8 ones in the LM head's screen);
+# v4 the other AVX-512 CPUs; v3 AVX2 ones (Zen 1-3, Haswell on); x86-64 any.
 # armv8-a: any 64-bit Arm (the kernels' portable loops, which gcc vectorises with NEON).
 FAMILY_TARGETS: tuple[KernelTarget, ...] = (
-    KernelTarget("x86-64-v4-bf16", ("-march=x86-64-v4", "-mavx512bf16"), _X86_64_V4 | {"avx512_bf16"}, "x86_64"),
+    KernelTarget("x86-64-v4-bf16", ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
+                 _X86_64_V4 | {"avx512_bf16", "avx512_vnni"}, "x86_64"),
     KernelTarget("x86-64-v4", ("-march=x86-64-v4",), _X86_64_V4, "x86_64"),
     KernelTarget("x86-64-v3", ("-march=x86-64-v3",), _X86_64_V3, "x86_64"),
     KernelTarget("x86-64", ("-march=x86-64",), frozenset(), "x86_64"),

@@ -13,11 +13,11 @@ or grammar (model_runner.py `_greedy_step`); the stack must cover the step and t
 run its small-M kernel at that many rows. Everything else keeps the Python path.
 `SPINDLE_DISABLE_GREEDY_STEP=1` keeps it for side-by-side runs.
 
-The LM head (float32, or bfloat16 weights under float32 activations) also gets an int8 screen
-(kernels/csrc/head_screen.cpp): a step of up to 4 rows reads 1 byte a weight of the head, and
-the exact logits of only the rows the screen's error bound leaves in the running, so its tokens
-are the full head's. It costs a byte a weight of memory, so it is built only where the head is at least
-`SCREEN_MIN_HEAD_SHARE` of the weights a step reads (the small benchmark model: 41 %, the
+The LM head (float32 or bfloat16, under float32 or bfloat16 activations) also gets an int8
+screen (kernels/csrc/head_screen.cpp): a step of up to 4 rows reads 1 byte a weight of the head,
+and the exact logits of only the rows the screen's error bound leaves in the running, so its
+tokens are the full head's at one row. It costs a byte a weight of memory, so it is built only
+where the head is at least `SCREEN_MIN_HEAD_SHARE` of the weights a step reads (the small benchmark model: 41 %, the
 medium: 8 %; a 7B model with a 32k vocabulary: 4 %). `SPINDLE_DISABLE_HEAD_SCREEN=1` reads the
 full head (side-by-side runs).
 """
@@ -106,8 +106,11 @@ def head_screen(head: torch.Tensor, bias: torch.Tensor | None, stack: NativeStac
     """(the head in int8, its rows' scales, its largest |w|, its largest row sum of |w|) for
     kernels/csrc/head_screen.cpp, or (None, None, 0, 0) (logged) where the head is not screened.
 
-    The kernel takes float32 activations (the stack's first weight, a norm, is in their dtype)
-    and a float32 bias, so a plan holds a screen only where every step it screens has them."""
+    The kernel takes float32 activations with a float32 or bfloat16 head and a float32 bias or
+    none, or bfloat16 activations with a bfloat16 head and no bias (the stack's first weight, a
+    norm, is in the activations' dtype), so a plan holds a screen only where every step it
+    screens has them."""
+    activations = stack.weights[0].dtype
     head_bytes = head.numel() * head.element_size()
     share = head_bytes / (head_bytes + sum(w.numel() * w.element_size() for w in stack.weights))
     reason = None
@@ -116,8 +119,10 @@ def head_screen(head: torch.Tensor, bias: torch.Tensor | None, stack: NativeStac
     elif head.dtype not in (torch.float32, torch.bfloat16) or not head.is_contiguous():
         layout = "" if head.is_contiguous() else ", strided"
         reason = f"the head is {head.dtype}{layout}, not contiguous float32 or bfloat16"
-    elif stack.weights[0].dtype != torch.float32:
-        reason = f"the activations are {stack.weights[0].dtype}, not float32"
+    elif activations not in (torch.float32, torch.bfloat16):
+        reason = f"the activations are {activations}, not float32 or bfloat16"
+    elif activations == torch.bfloat16 and (head.dtype != torch.bfloat16 or bias is not None):
+        reason = "bfloat16 activations with a float32 head or a bias"
     elif bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         reason = f"the head's bias is {bias.dtype}{'' if bias.is_contiguous() else ', strided'}, not contiguous float32"
     elif share < SCREEN_MIN_HEAD_SHARE:

@@ -34,6 +34,9 @@ std::string instruction_sets() {
 #ifdef __AVX512BF16__
   add("avx512_bf16");
 #endif
+#ifdef __AVX512VNNI__
+  add("avx512_vnni");
+#endif
 #ifdef __AMX_BF16__
   add("amx_bf16");
 #endif

@@ -10,8 +10,8 @@
 // live in a `DecoderPlan` built once at load, so a step passes only what changes: the token ids,
 // the caches and the step's attention metadata. The kernels and their order are those of the
 // Python path, so the tokens are the same. With the head's int8 screen in the plan, a step of up
-// to kScreenRows rows of float32 activations reads the screen instead of the head
-// (head_screen.cpp), and the full head only where the screen cannot decide.
+// to kScreenRows rows reads the screen instead of the head (head_screen.cpp), and the full head
+// only where the screen cannot decide.
 
 #include "kernel_ops.h"
 
@@ -72,7 +72,7 @@ at::Tensor greedy_decode(const c10::intrusive_ptr<DecoderPlan>& plan, const at::
                                         plan->unit_offset, plan->activation, plan->num_heads, plan->scale,
                                         plan->softcap, slot_mapping, block_tables, seq_lens, query_start_loc,
                                         work_items, positions.contiguous(), plan->cos, plan->sin);
-  // A plan holds a screen only for float32 activations and a float32 bias, if any (greedy_step.py).
+  // A plan holds a screen only for the activations, head and bias it takes (greedy_step.py).
   if (plan->head_screen.has_value() && last.size(0) <= kScreenRows) {
     c10::optional<at::Tensor> tokens = screened_argmax(last, plan->head, *plan->head_screen, *plan->head_screen_scales,
                                                        plan->head_max_abs, plan->head_max_row_l1, plan->head_bias);

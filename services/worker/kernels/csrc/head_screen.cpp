@@ -6,20 +6,24 @@
 // 2-core AMD EPYC Zen 3 whose last-level cache keeps ~12-16 MB of them, the step streams from
 // memory. A greedy step needs only the index of the largest logit, not the logits.
 //
-// How: each row r of the head (float32, or bfloat16 under --weight-dtype; float32 activations)
-// has an int8 copy q_r with one scale s_r = max_k |w_rk| / 127, so |w_rk - q_rk s_r| <= s_r / 2
-// (models/greedy_step.py `head_screen` builds them once). The screened logit t_r = (x . q_r) s_r
-// + b_r is off the logit l_r the full path computes (row_dot + bias, linear_small_m.cpp) by the
-// quantisation, at most |x|_1 max_r s_r / 2, plus float32 rounding: a sum of K products is off
-// its real value by at most gamma_K = K 2^-24 / (1 - K 2^-24) of the sum of the products'
-// magnitudes (in any order, with or without FMA), bounded by A = |x|_1 max |w| or |x|_inf
-// max_r sum_k |w_rk|, whichever is smaller (both head norms taken at build time), plus a few
-// roundings of the scale and the bias, each at most 2^-24 of the largest |t|. With that bound B
-// on every |t_r - l_r|, the largest l_r belongs to a row with t_r >= max_j t_j - 2B; those rows'
-// exact logits come from the same row_dot the full path runs at one row, and the first of their
-// largest is the token (the first index of the maximum, as argmax_rows). Where B is not finite
-// (a NaN or inf in x) or more than kMaxCandidates rows qualify, the call answers nothing and the
-// caller runs the full head.
+// How: each row r of the head (float32 or bfloat16) has an int8 copy q_r with one scale s_r =
+// max_k |w_rk| / 127, so |w_rk - q_rk s_r| <= s_r / 2 (models/greedy_step.py `head_screen` builds
+// them once). The screened logit t_r = (x . q_r) s_r + b_r is off the logit l_r the full path
+// computes at one row (linear_small_m.cpp) by the quantisation, at most |x|_1 max_r s_r / 2, by
+// the screen's own arithmetic (screen_error: float32 rounding on AVX2, x's int8 rounding on VNNI),
+// and by the full path's float32 rounding: a sum of K products is off its real value by at most
+// gamma_K = K 2^-24 / (1 - K 2^-24) of the sum of the products' magnitudes (in any order, with or
+// without FMA, in k pairs or not), bounded by |x|_1 max |w| or |x|_inf max_r sum_k |w_rk|,
+// whichever is smaller (both head norms taken at build time); plus a few roundings of the scales
+// and the bias, each at most 2^-24 of a magnitude, and for bfloat16 activations, whose logits the
+// full path rounds to bfloat16, 2^-9 of the largest. With that bound B on every |t_r - l_r|, the
+// largest l_r belongs to a row with t_r >= max_j t_j - 2B; those rows' exact logits come from the
+// same code the full path runs at one row (row_dot, or for bfloat16 x its one-row kernel, then
+// the same rounding), and the first of their largest is the token (the first index of the
+// maximum, as argmax_rows: bfloat16 logits tie often). Where B is not finite (a NaN or inf in x)
+// or more than kMaxCandidates rows qualify, the call answers nothing and the caller runs the full
+// head. At 2-4 rows the full path's tiles round their sums in another order than one row does, so
+// a near-tie there could go the other way; the screen answers each row as a one-row step would.
 //
 // Cost: the screen reads 1 byte a weight (a quarter of a float32 head, half a bfloat16 one);
 // the bound is two vector passes over the N screened logits; candidates are a handful of K-long
@@ -40,7 +44,9 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -53,6 +59,8 @@ constexpr int64_t kMaxCandidates = 64;
 // Rows decided by the screen, and rows it left to the full head, since the library loaded.
 std::atomic<int64_t> rows_decided{0}, rows_undecided{0};
 constexpr double kUnit = 1.0 / 16777216.0;  // 2^-24: float32's unit roundoff
+constexpr double kBf16Unit = 1.0 / 256.0;   // 2^-8: bfloat16's unit roundoff (2^-9) with room to spare
+constexpr double kQuantum = 1.01 / 254.0;   // s_r / 2 = max_k |w_rk| / 254, and the scale's rounding
 
 // The largest of t[0..n) and the largest |t|, or (NaN, NaN) where t holds a NaN.
 std::pair<float, float> max_and_magnitude(const float* t, int64_t n) {
@@ -80,6 +88,128 @@ std::pair<float, float> max_and_magnitude(const float* t, int64_t n) {
   return nan ? std::pair<float, float>{NAN, NAN} : std::pair<float, float>{best, magnitude};
 }
 
+// One row of x as the screen reads it: float32 (a bfloat16 row widened), its norms, and, for the
+// VNNI screen, the row in int8.
+struct ScreenRow {
+  const float* x = nullptr;
+  const c10::BFloat16* x_bf16 = nullptr;  // the row as the full head reads it, for bf16 activations
+  double l1 = 0.0, inf = 0.0;             // |x|_1 and max_k |x_k|, summed in double
+  // VNNI: x ~ scale (q + q_low / 256) in int8, each zero-padded to a multiple of 64, and their sums.
+  const int8_t* q = nullptr;
+  const int8_t* q_low = nullptr;
+  float scale = 1.0f;
+  int32_t q_sum = 0, q_low_sum = 0;
+};
+
+void measure(ScreenRow& row, int64_t K) {
+  double l1 = 0.0, inf = 0.0;
+  for (int64_t k = 0; k < K; ++k) {
+    const double a = std::fabs(static_cast<double>(row.x[k]));
+    l1 += a;
+    inf = std::max(inf, a);
+  }
+  row.l1 = l1 * (1.0 + 1e-12 * static_cast<double>(K));  // the double sum's rounding
+  row.inf = inf;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define SPINDLE_SCREEN_VNNI 1
+// The screen's logits on AVX512-VNNI: x in int8 too, as two bytes an element, x_k ~ s_x (q_k +
+// q'_k / 256) with s_x = max |x| / 127 (q' the rounding residue's 256ths, so x's own rounding,
+// at most ~s_x / 213, stays far below the screen's), and x . q_r summed exactly in int32 by
+// vpdpbusd (unsigned x signed bytes: q_r + 128 by flipping its sign bit, and 128 sum_k x_k taken
+// off after), 64 products an instruction. Against the float screen below (AVX2: widen 8 bytes to
+// floats, then an FMA), one row of the small model's head, hot in cache, took 37 against 63 us
+// (the full float32 head 58; 2-core AMD EPYC Zen 4, /tmp script).
+constexpr int64_t kBytes = 64;
+constexpr double kLowStep = 1.2 / 256.0;  // |x_k - s_x (q_k + q'_k / 256)| <= kLowStep s_x (see quantize)
+
+// One 16-lane step of int8 rounding: v (x / step, or a residue's) to the nearest even, clamped.
+inline __m512i to_int8_lanes(__m512 v, __m512i lo, __m512i hi) {
+  return _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(v), lo), hi);
+}
+
+// row.q and row.q_low (each K rounded up to 64 bytes, zeros past K) for x ~ s_x (q + q_low / 256):
+// q = round(x / s_x) in [-127, 127], so the residue r = x - s_x q is within ~s_x / 2 (computed
+// with an FMA, off by a unit in its last place), and q_low = round(256 r / s_x) clamped to
+// [-128, 127]: off by at most 1.13 steps of s_x / 256 where the clamp bites, half a step elsewhere.
+void quantize(ScreenRow& row, int8_t* q, int8_t* q_low, int64_t K) {
+  row.scale = row.inf > 0.0 ? static_cast<float>(row.inf / 127.0) : 1.0f;
+  const __m512 scale = _mm512_set1_ps(row.scale), inverse = _mm512_set1_ps(1.0f / row.scale);
+  const __m512 low_inverse = _mm512_set1_ps(256.0f / row.scale);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), low_lo = _mm512_set1_epi32(-128);
+  __m512i sums = _mm512_setzero_si512(), low_sums = _mm512_setzero_si512();
+  const int64_t padded = (K + kBytes - 1) / kBytes * kBytes;
+  for (int64_t k = 0; k < padded; k += 16) {
+    const __mmask16 m = K - k >= 16 ? __mmask16(0xffff) : K > k ? __mmask16((1u << (K - k)) - 1) : __mmask16(0);
+    const __m512 x = _mm512_maskz_loadu_ps(m, row.x + k);
+    const __m512i v = to_int8_lanes(_mm512_mul_ps(x, inverse), lo, hi);
+    const __m512 residue = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(v), scale, x);
+    const __m512i v_low = to_int8_lanes(_mm512_mul_ps(residue, low_inverse), low_lo, hi);
+    sums = _mm512_add_epi32(sums, v);
+    low_sums = _mm512_add_epi32(low_sums, v_low);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(v));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q_low + k), _mm512_cvtepi32_epi8(v_low));
+  }
+  row.q = q;
+  row.q_low = q_low;
+  row.q_sum = _mm512_reduce_add_epi32(sums);
+  row.q_low_sum = _mm512_reduce_add_epi32(low_sums);
+}
+
+// t_r from the two exact sums of x's bytes against row r's: s_x (hi + lo / 256) s_r + b_r.
+inline float screened_logit(const ScreenRow& row, int32_t hi, int32_t lo, float scale, float bias) {
+  return (static_cast<float>(hi) + static_cast<float>(lo) * (1.0f / 256.0f)) * (row.scale * scale) + bias;
+}
+
+// t[m][r..r+J) for rows m < M of x: J rows of the screen side by side, each byte read once
+// (2 M J accumulators of the 32 registers).
+template <int M, int J>
+inline void vnni_rows(const ScreenRow* rows, const int8_t* screen, const float* scales, const float* bias, float* t,
+                      int64_t r, int64_t K, int64_t N) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i acc[M][J], acc_low[M][J];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < J; ++j) acc[m][j] = acc_low[m][j] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += kBytes) {
+    const __mmask64 mask = K - k >= kBytes ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
+    __m512i w[J];
+    for (int j = 0; j < J; ++j) w[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, screen + (r + j) * K + k), flip);
+    for (int m = 0; m < M; ++m) {
+      const __m512i xq = _mm512_loadu_si512(rows[m].q + k), xq_low = _mm512_loadu_si512(rows[m].q_low + k);
+      for (int j = 0; j < J; ++j) {
+        acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], w[j], xq);
+        acc_low[m][j] = _mm512_dpbusd_epi32(acc_low[m][j], w[j], xq_low);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < J; ++j)
+      t[m * N + r + j] = screened_logit(rows[m], _mm512_reduce_add_epi32(acc[m][j]) - 128 * rows[m].q_sum,
+                                        _mm512_reduce_add_epi32(acc_low[m][j]) - 128 * rows[m].q_low_sum,
+                                        scales[r + j], bias != nullptr ? bias[r + j] : 0.0f);
+}
+
+template <int M>
+void vnni_logits(const ScreenRow* rows, const int8_t* screen, const float* scales, const float* bias, float* t,
+                 int64_t K, int64_t N) {
+  constexpr int J = M < 4 ? 4 : 2;
+  spindle::parallel_for(0, N / J, 64 / J, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) vnni_rows<M, J>(rows, screen, scales, bias, t, J * b, K, N);
+  });
+  for (int64_t r = N / J * J; r < N; ++r)  // the last N % J rows, one row of x at a time
+    for (int m = 0; m < M; ++m) vnni_rows<1, 1>(rows + m, screen, scales, bias, t + m * N, r, K, N);
+}
+
+// |t_r - x . w_r| <= this: x's rounding against w_r (sum_k |w_rk| <= max_row_l1), and w_r's
+// against x's rounded copy, whose |.|_1 is at most |x|_1 + K kLowStep s_x; the int32 sums are
+// exact. Also returns a bound on the |.| of the screen's products' sum, for the roundings after it.
+std::pair<double, double> screen_error(const ScreenRow& row, int64_t K, double max_abs, double max_row_l1) {
+  const double step = kLowStep * static_cast<double>(row.scale);
+  const double rounded_l1 = row.l1 + step * static_cast<double>(K);
+  return {step * max_row_l1 + kQuantum * rounded_l1 * max_abs, rounded_l1 * max_abs * (1.0 + kQuantum)};
+}
+#else
 #ifdef __AVX2__
 inline __m256 load8_i8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -102,38 +232,65 @@ inline float dot_i8(const float* x, const int8_t* q, int64_t K) {
   return sum;
 }
 
-// t[m][r] = (x[m] . q[r]) * scales[r] + bias[r] for an int8 screen.
-at::Tensor int8_logits(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const float* bias) {
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-  at::Tensor t = at::empty({M, N}, x.options());
-  const float* xs = x.data_ptr<float>();
+// |t_r - x . w_r| <= this: the int8 rounding of w_r (|x|_1 max |w| / 254) and the float32 sum's
+// own rounding (gamma_K of its products' magnitudes); and a bound on those magnitudes.
+std::pair<double, double> screen_error(const ScreenRow& row, int64_t K, double max_abs, double max_row_l1) {
+  const double gamma = static_cast<double>(K) * kUnit / (1.0 - static_cast<double>(K) * kUnit);
+  const double magnitudes = std::min(row.l1 * max_abs, row.inf * max_row_l1) * (1.0 + kQuantum);
+  const double quantisation = kQuantum * row.l1 * max_abs;
+  return {quantisation + gamma * (1.0 + 1e-6) * magnitudes, magnitudes};
+}
+#endif
+
+// t[m][r] = (x[m] . q[r]) * scales[r] + bias[r] for an int8 screen, on VNNI or float lanes.
+at::Tensor int8_logits(const std::vector<ScreenRow>& rows, const at::Tensor& q, const at::Tensor& scales,
+                       const float* bias, const at::TensorOptions& options) {
+  const int64_t M = static_cast<int64_t>(rows.size()), K = q.size(1), N = q.size(0);
+  at::Tensor t = at::empty({M, N}, options.dtype(at::kFloat));
   const int8_t* qs = q.data_ptr<int8_t>();
   const float* sc = scales.data_ptr<float>();
   float* ts = t.data_ptr<float>();
+#ifdef SPINDLE_SCREEN_VNNI
+  switch (M) {
+    case 1: vnni_logits<1>(rows.data(), qs, sc, bias, ts, K, N); break;
+    case 2: vnni_logits<2>(rows.data(), qs, sc, bias, ts, K, N); break;
+    case 3: vnni_logits<3>(rows.data(), qs, sc, bias, ts, K, N); break;
+    default: vnni_logits<4>(rows.data(), qs, sc, bias, ts, K, N); break;
+  }
+#else
   spindle::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t m = 0; m < M; ++m)
-        ts[m * N + r] = dot_i8(xs + m * K, qs + r * K, K) * sc[r] + (bias != nullptr ? bias[r] : 0.0f);
+        ts[m * N + r] = dot_i8(rows[m].x, qs + r * K, K) * sc[r] + (bias != nullptr ? bias[r] : 0.0f);
   });
+#endif
   return t;
+}
+
+// The logit the full head computes for row r at one row of x (linear_small_m.cpp): row_dot and
+// the bias for float32 x; for bfloat16 x its one-row kernel's sum, rounded to bfloat16.
+template <typename W>
+inline float full_logit(const ScreenRow& row, const W* w, const float* bias, int64_t r, int64_t K) {
+  if constexpr (std::is_same_v<W, c10::BFloat16>) {
+    if (row.x_bf16 != nullptr) return rounded<c10::BFloat16>(row_dot_bf16(row.x_bf16, row.x, w, K));
+  }
+  return row_dot_f32(row.x, w, K) + (bias != nullptr ? bias[r] : 0.0f);
 }
 
 // The token of one row from its screened logits `t` (bias added), or -1 when they cannot decide it.
 template <typename W>
-int64_t screened_row(const float* x, const float* t, const W* head, const float* bias, int64_t N, int64_t K,
-                     double coefficient, double quantum, double max_abs, double max_row_l1) {
-  double x_l1 = 0.0, x_inf = 0.0;
-  for (int64_t k = 0; k < K; ++k) {
-    const double a = std::fabs(static_cast<double>(x[k]));
-    x_l1 += a;
-    x_inf = std::max(x_inf, a);
-  }
-  const double x_l1_max_abs = x_l1 * (1.0 + 1e-12 * static_cast<double>(K)) * max_abs;  // the double sum's rounding
-  const double dots = std::min(x_l1_max_abs, x_inf * max_row_l1);
+int64_t screened_row(const ScreenRow& row, const float* t, const W* head, const float* bias, int64_t N, int64_t K,
+                     double max_abs, double max_row_l1) {
+  const double gamma = static_cast<double>(K) * kUnit / (1.0 - static_cast<double>(K) * kUnit);
+  const auto [error, magnitudes] = screen_error(row, K, max_abs, max_row_l1);
   const auto [top, magnitude] = max_and_magnitude(t, N);
-  // The screen's error, the bias's rounding on both sides, and a margin for subnormal weights.
-  const double step_error = quantum * x_l1_max_abs;
-  const double bound = coefficient * (dots + step_error) + step_error + 4.0 * kUnit * (magnitude + coefficient * dots + step_error) + 1e-37;
+  // The full head's float32 rounding (gamma_K of its products' magnitudes, bounded as the
+  // screen's), the screen's error, the roundings of the scales' products and of the bias on both
+  // sides, and a margin for subnormal products flushed to zero.
+  const double dots = std::min(row.l1 * max_abs, row.inf * max_row_l1);
+  double bound = gamma * (1.0 + 1e-6) * dots + error + 6.0 * kUnit * (magnitude + dots + magnitudes + error) +
+                 static_cast<double>(K) * 1e-37 + 1e-37;
+  if (row.x_bf16 != nullptr) bound += kBf16Unit * (magnitude + bound);  // the full head's logits are bfloat16
   if (!std::isfinite(bound) || std::isnan(top)) return -1;
   // Every row whose screened logit reaches this may hold the largest logit (rounded down to float).
   const float floor = std::nextafter(static_cast<float>(static_cast<double>(top) - 2.0 * bound), -INFINITY);
@@ -141,7 +298,7 @@ int64_t screened_row(const float* x, const float* t, const W* head, const float*
   float best_logit = 0.0f;
   auto consider = [&](int64_t r) {
     if (++count > kMaxCandidates) return false;
-    const float logit = row_dot_f32(x, head + r * K, K) + (bias != nullptr ? bias[r] : 0.0f);  // as run() stores it
+    const float logit = full_logit(row, head + r * K, bias, r, K);
     if (std::isnan(logit)) return false;
     if (best < 0 || logit > best_logit) {
       best = r;
@@ -168,37 +325,53 @@ int64_t screened_row(const float* x, const float* t, const W* head, const float*
 c10::optional<at::Tensor> screened_argmax(const at::Tensor& x_in, const at::Tensor& head, const at::Tensor& screen,
                                           const at::Tensor& scales, double max_abs, double max_row_l1,
                                           const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "screened_argmax: x must be float32 [M, K]");
+  const bool x_is_bf16 = x_in.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_is_bf16),
+              "screened_argmax: x must be float32 or bfloat16 [M, K]");
   TORCH_CHECK(head.dim() == 2 && head.is_contiguous() && head.size(1) == x_in.size(1) &&
-                  (head.scalar_type() == at::kFloat || head.scalar_type() == at::kBFloat16),
-              "screened_argmax: head must be a contiguous float32 or bfloat16 [N, K]");
+                  (head.scalar_type() == at::kBFloat16 || (head.scalar_type() == at::kFloat && !x_is_bf16)),
+              "screened_argmax: head must be a contiguous float32 or bfloat16 [N, K] (bfloat16 for bfloat16 x)");
   TORCH_CHECK(screen.scalar_type() == at::kChar && screen.sizes() == head.sizes() && screen.is_contiguous(),
               "screened_argmax: screen must be the head in int8");
   const int64_t N = head.size(0), K = head.size(1), M = x_in.size(0);
+  TORCH_CHECK(K <= 65536, "screened_argmax: rows of at most 65,536 (the int32 sums' range)");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
               "screened_argmax: scales must be float32 [N]");
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(!x_is_bf16, "screened_argmax: no bias with bfloat16 x");
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
                 "screened_argmax: bias must be a contiguous float32 [N]");
     b = bias->data_ptr<float>();
   }
   const at::Tensor x = x_in.contiguous();
-  const at::Tensor screened = int8_logits(x, screen, scales, b);
-  const double gamma = static_cast<double>(K) * kUnit / (1.0 - static_cast<double>(K) * kUnit);
-  const double coefficient = 2.0 * gamma * (1.0 + 1.0 / 254.0) * (1.0 + 1e-6);
-  const double quantum = 1.01 / 254.0;  // s_r / 2 = max_k |w_rk| / 254, and the scale's rounding
+  const at::Tensor widened = x_is_bf16 ? x.to(at::kFloat) : x;
+  const int64_t padded = (K + 63) / 64 * 64;
+  std::vector<int8_t> quantized(static_cast<size_t>(2 * M * padded));
+  std::vector<ScreenRow> rows(static_cast<size_t>(M));
+  for (int64_t m = 0; m < M; ++m) {
+    ScreenRow& row = rows[m];
+    row.x = widened.data_ptr<float>() + m * K;
+    if (x_is_bf16) row.x_bf16 = x.data_ptr<c10::BFloat16>() + m * K;
+    measure(row, K);
+    if (!std::isfinite(row.l1)) {  // a NaN or inf: no bound; the full head answers (NaN logits and all)
+      rows_undecided.fetch_add(M, std::memory_order_relaxed);
+      return c10::nullopt;
+    }
+#ifdef SPINDLE_SCREEN_VNNI
+    quantize(row, quantized.data() + 2 * m * padded, quantized.data() + (2 * m + 1) * padded, K);
+#endif
+  }
+  const at::Tensor screened = int8_logits(rows, screen, scales, b, x.options());
   at::Tensor tokens = at::empty({M}, x.options().dtype(at::kLong));
   int64_t* out = tokens.data_ptr<int64_t>();
   std::atomic<bool> decided{true};
   spindle::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      const float* xm = x.data_ptr<float>() + m * K;
       const float* tm = screened.data_ptr<float>() + m * N;
       out[m] = head.scalar_type() == at::kFloat
-                   ? screened_row(xm, tm, head.data_ptr<float>(), b, N, K, coefficient, quantum, max_abs, max_row_l1)
-                   : screened_row(xm, tm, head.data_ptr<c10::BFloat16>(), b, N, K, coefficient, quantum, max_abs,
-                                  max_row_l1);
+                   ? screened_row(rows[m], tm, head.data_ptr<float>(), b, N, K, max_abs, max_row_l1)
+                   : screened_row(rows[m], tm, head.data_ptr<c10::BFloat16>(), b, N, K, max_abs, max_row_l1);
       if (out[m] < 0) decided.store(false, std::memory_order_relaxed);
     }
   });

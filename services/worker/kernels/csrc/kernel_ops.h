@@ -34,6 +34,9 @@ at::Tensor argmax_rows(const at::Tensor& logits_in);
 // x . w over K as linear_small_m computes each output of one float32 row (head_screen.cpp).
 float row_dot_f32(const float* x, const float* w, int64_t K);
 float row_dot_f32(const float* x, const c10::BFloat16* w, int64_t K);
+// The same for one row of bfloat16 x (x_widened: it in float32) against a bfloat16 row, before
+// the bias and the rounding to bfloat16: on k pairs where one row takes them, else row_dot.
+float row_dot_bf16(const c10::BFloat16* x, const float* x_widened, const c10::BFloat16* w, int64_t K);
 
 c10::optional<at::Tensor> screened_argmax(const at::Tensor& x_in, const at::Tensor& head, const at::Tensor& screen,
                                           const at::Tensor& scales, double max_abs, double max_row_l1,

@@ -202,30 +202,41 @@ struct Bf16Pairs {
 // fp32 lanes for fp32 x, though faster in cache, lost served in 5 of 6 pairs: fp32 x keeps row_dot.
 std::atomic<bool> one_row_pairs_on{false};
 
-template <typename Y>
-void run_one_row_pairs(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias, Y* y, int64_t N,
-                       int64_t K) {
+// x . wf over K on k pairs, 4 accumulators (one sequential read of the row wf).
+inline float pairs_row_dot(const c10::BFloat16* x, const c10::BFloat16* wf, int64_t K) {
   using L = Bf16Pairs;
   constexpr int64_t kUnroll = 4;  // independent accumulators: dot-product latency x throughput
   constexpr int64_t kBlock = kUnroll * L::kStep;
-  spindle::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t f = begin; f < end; ++f) {
-      const c10::BFloat16* wf = w + f * K;
-      __m512 acc[kUnroll];
-      for (auto& a : acc) a = _mm512_setzero_ps();
-      int64_t k = 0;
-      for (; k + kBlock <= K; k += kBlock)
-        for (int64_t u = 0; u < kUnroll; ++u) {
-          const auto all = L::mask(L::kStep);
-          acc[u] = L::fma(acc[u], L::load(x + k + u * L::kStep, all), L::load(wf + k + u * L::kStep, all));
-        }
-      for (; k < K; k += L::kStep) acc[0] = L::fma(acc[0], L::load(x + k, L::mask(K - k)), L::load(wf + k, L::mask(K - k)));
-      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
-      store_sum(y + f, sum + (bias != nullptr ? bias[f] : 0.0f));
+  __m512 acc[kUnroll];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + kBlock <= K; k += kBlock)
+    for (int64_t u = 0; u < kUnroll; ++u) {
+      const auto all = L::mask(L::kStep);
+      acc[u] = L::fma(acc[u], L::load(x + k + u * L::kStep, all), L::load(wf + k + u * L::kStep, all));
     }
+  for (; k < K; k += L::kStep) acc[0] = L::fma(acc[0], L::load(x + k, L::mask(K - k)), L::load(wf + k, L::mask(K - k)));
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+}
+
+template <typename Y>
+void run_one_row_pairs(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias, Y* y, int64_t N,
+                       int64_t K) {
+  spindle::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t f = begin; f < end; ++f)
+      store_sum(y + f, pairs_row_dot(x, w + f * K, K) + (bias != nullptr ? bias[f] : 0.0f));
   });
 }
 #endif
+
+// Whether one row of bf16 x with bf16 W runs on k pairs (run_one_row_pairs) rather than row_dot.
+bool one_row_takes_pairs() {
+#ifdef __AVX512BF16__
+  return !few_rows_disabled() && !bf16_pairs_disabled() && one_row_pairs_on.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
 
 // [sum of a, sum of b, sum of c, sum of d]: 128-bit blocks folded pairwise, then lanes.
 inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
@@ -386,6 +397,14 @@ void run(const float* x, const W* w, const float* bias, Y* y, int64_t M, int64_t
 float row_dot_f32(const float* x, const float* w, int64_t K) { return row_dot(x, w, K); }
 float row_dot_f32(const float* x, const c10::BFloat16* w, int64_t K) { return row_dot(x, w, K); }
 
+float row_dot_bf16(const c10::BFloat16* x, const float* x_widened, const c10::BFloat16* w, int64_t K) {
+#if defined(SPINDLE_FEW_ROWS_TILES) && defined(__AVX512BF16__)
+  if (one_row_takes_pairs()) return pairs_row_dot(x, w, K);
+#endif
+  (void)x;
+  return row_dot(x_widened, w, K);
+}
+
 namespace {
 
 // x's rows in fp32: fp32 x in place, bf16 x widened into this thread's buffer (a few KB at
@@ -414,7 +433,7 @@ bool few_rows(const at::Tensor& x, const at::Tensor& w, const float* bias, Y* y,
       run_few_rows<Bf16Pairs>(xb, wb, bias, y, M, N, K);
       return true;
     }
-    if (one_row_pairs_on.load(std::memory_order_relaxed)) {
+    if (one_row_takes_pairs()) {
       run_one_row_pairs(xb, wb, bias, y, N, K);
       return true;
     }
