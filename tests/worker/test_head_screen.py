@@ -16,10 +16,11 @@ from services.worker.models.greedy_step import DISABLE_SCREEN_ENV, head_screen
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
-def _screen(head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float, float]:
-    screen, scales, max_abs, max_row_l1 = head_screen(head, None, SimpleNamespace(weights=[torch.ones(head.shape[1])]))
-    assert screen is not None and scales is not None
-    return screen, scales, max_abs, max_row_l1
+def _screen(head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float]:
+    screen, scales, errors, max_abs, max_row_l1 = head_screen(head, None,
+                                                              SimpleNamespace(weights=[torch.ones(head.shape[1])]))
+    assert screen is not None and scales is not None and errors is not None
+    return screen, scales, errors, max_abs, max_row_l1
 
 
 def _full_head_tokens(x: torch.Tensor, head: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -103,10 +104,13 @@ def test_the_screen_decides_which_rows_are_computed() -> None:
 def test_head_screen_built_only_where_it_pays(monkeypatch: pytest.MonkeyPatch) -> None:
     head = torch.randn(1000, 64)
     small_stack = SimpleNamespace(weights=[torch.zeros(64, 64)])
-    screen, scales, max_abs, max_row_l1 = head_screen(head, None, small_stack)
-    assert screen is not None and screen.dtype == torch.int8 and scales is not None
+    screen, scales, errors, max_abs, max_row_l1 = head_screen(head, None, small_stack)
+    assert screen is not None and screen.dtype == torch.int8 and scales is not None and errors is not None
     assert int(screen.abs().amax(dim=1).min()) == 127, "each row's largest weight is +-127"
-    assert torch.all((screen.float() * scales[:, None] - head).abs() <= scales[:, None] / 2 * 1.0001)
+    rounding = screen.double() * scales.double()[:, None] - head.double()
+    assert torch.all(rounding.abs() <= scales[:, None] / 2 * 1.0001)
+    assert torch.all(rounding.norm(dim=1) <= errors.double()), "errors bound each row's rounding"
+    assert torch.all(errors.double() <= rounding.norm(dim=1) * 1.00001)
     assert max_abs == float(head.abs().max())
     assert max_row_l1 == pytest.approx(float(head.abs().sum(dim=1).max()), rel=1e-6)
     assert head_screen(head.bfloat16(), None, small_stack)[0] is not None, "bfloat16 weights under float32 activations"

@@ -99,12 +99,13 @@ def build_greedy_step(stack: NativeStack | None, embedding: nn.Embedding, embed_
     return GreedyStep(plan, stack, lm_head, screen[0])
 
 
-Screen = tuple[torch.Tensor | None, torch.Tensor | None, float, float]
+Screen = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, float, float]
 
 
 def head_screen(head: torch.Tensor, bias: torch.Tensor | None, stack: NativeStack) -> Screen:
-    """(the head in int8, its rows' scales, its largest |w|, its largest row sum of |w|) for
-    kernels/csrc/head_screen.cpp, or (None, None, 0, 0) (logged) where the head is not screened.
+    """(the head in int8, its rows' scales, bounds on its rows' rounding errors |w_r - q_r s_r|_2,
+    its largest |w|, its largest row sum of |w|) for kernels/csrc/head_screen.cpp, or (None,
+    None, None, 0, 0) (logged) where the head is not screened.
 
     The kernel takes float32 activations with a float32 or bfloat16 head and a float32 bias or
     none, or bfloat16 activations with a bfloat16 head and no bias (the stack's first weight, a
@@ -129,12 +130,14 @@ def head_screen(head: torch.Tensor, bias: torch.Tensor | None, stack: NativeStac
         reason = f"the head is {share:.1%} of a step's weight bytes (< {SCREEN_MIN_HEAD_SHARE:.0%})"
     if reason is not None:
         logger.info("greedy steps read the whole LM head: %s", reason)
-        return None, None, 0.0, 0.0
+        return None, None, None, 0.0, 0.0
     magnitudes = head.float().abs()
     row_max = magnitudes.amax(dim=1)
     # An all-zero row keeps scale 1 (its int8 copy is zeros either way, and the bound uses max |w|).
     scales = torch.where(row_max > 0, row_max / 127, torch.ones_like(row_max)).contiguous()
     screen = torch.round(head.float() / scales[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    # In float64 from the stored values (exact), then rounded up past float32's rounding.
+    errors = (head.double() - screen.double() * scales.double()[:, None]).norm(dim=1).mul_(1 + 1e-6).float()
     logger.info("greedy steps of up to 4 rows screen the LM head in int8 (+%.1f MB; the head is %.0f%% of a "
                 "step's weight bytes)", screen.numel() / 1e6, 100 * share)
-    return screen, scales, float(row_max.max()), float(magnitudes.sum(dim=1, dtype=torch.float64).max())
+    return screen, scales, errors, float(row_max.max()), float(magnitudes.sum(dim=1, dtype=torch.float64).max())

@@ -42,8 +42,9 @@ struct DecoderPlan : torch::CustomClassHolder {
   double scale, softcap;
   at::Tensor cos, sin, embedding, head;
   c10::optional<at::Tensor> embed_scale, head_bias;
-  // head_screen.cpp: the head in int8 and its rows' scales, its largest |w| and largest row sum of |w|.
-  c10::optional<at::Tensor> head_screen, head_screen_scales;
+  // head_screen.cpp: the head in int8, its rows' scales and rounding errors, its largest |w| and
+  // largest row sum of |w|.
+  c10::optional<at::Tensor> head_screen, head_screen_scales, head_screen_errors;
   double head_max_abs, head_max_row_l1;
 
   DecoderPlan(std::vector<at::Tensor> weights, std::vector<c10::optional<at::Tensor>> biases,
@@ -51,12 +52,13 @@ struct DecoderPlan : torch::CustomClassHolder {
               double scale, double softcap, at::Tensor cos, at::Tensor sin, at::Tensor embedding,
               c10::optional<at::Tensor> embed_scale, at::Tensor head, c10::optional<at::Tensor> head_bias,
               c10::optional<at::Tensor> head_screen, c10::optional<at::Tensor> head_screen_scales,
-              double head_max_abs, double head_max_row_l1)
+              c10::optional<at::Tensor> head_screen_errors, double head_max_abs, double head_max_row_l1)
       : weights(std::move(weights)), biases(std::move(biases)), windows(std::move(windows)), eps(eps),
         unit_offset(unit_offset), activation(activation), num_heads(num_heads), scale(scale), softcap(softcap),
         cos(std::move(cos)), sin(std::move(sin)), embedding(std::move(embedding)), head(std::move(head)),
         embed_scale(std::move(embed_scale)), head_bias(std::move(head_bias)), head_screen(std::move(head_screen)),
-        head_screen_scales(std::move(head_screen_scales)), head_max_abs(head_max_abs),
+        head_screen_scales(std::move(head_screen_scales)), head_screen_errors(std::move(head_screen_errors)),
+        head_max_abs(head_max_abs),
         head_max_row_l1(head_max_row_l1) {}
 };
 
@@ -74,8 +76,9 @@ at::Tensor greedy_decode(const c10::intrusive_ptr<DecoderPlan>& plan, const at::
                                         work_items, positions.contiguous(), plan->cos, plan->sin);
   // A plan holds a screen only for the activations, head and bias it takes (greedy_step.py).
   if (plan->head_screen.has_value() && last.size(0) <= kScreenRows) {
-    c10::optional<at::Tensor> tokens = screened_argmax(last, plan->head, *plan->head_screen, *plan->head_screen_scales,
-                                                       plan->head_max_abs, plan->head_max_row_l1, plan->head_bias);
+    c10::optional<at::Tensor> tokens =
+        screened_argmax(last, plan->head, *plan->head_screen, *plan->head_screen_scales, *plan->head_screen_errors,
+                        plan->head_max_abs, plan->head_max_row_l1, plan->head_bias);
     if (tokens.has_value()) return *tokens;
   }
   return argmax_rows(linear_small_m(last, plan->head, plan->head_bias, /*float_out=*/true));
@@ -89,7 +92,7 @@ TORCH_LIBRARY_FRAGMENT(spindle, m) {
       .def(torch::init<std::vector<at::Tensor>, std::vector<c10::optional<at::Tensor>>, std::vector<int64_t>, double,
                        bool, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor,
                        c10::optional<at::Tensor>, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
-                       c10::optional<at::Tensor>, double, double>());
+                       c10::optional<at::Tensor>, c10::optional<at::Tensor>, double, double>());
   m.def(
       "greedy_decode(__torch__.torch.classes.spindle.DecoderPlan plan, Tensor input_ids, Tensor(a!)[] kv_caches, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor work_items, "

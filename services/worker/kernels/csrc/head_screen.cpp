@@ -62,30 +62,31 @@ constexpr double kUnit = 1.0 / 16777216.0;  // 2^-24: float32's unit roundoff
 constexpr double kBf16Unit = 1.0 / 256.0;   // 2^-8: bfloat16's unit roundoff (2^-9) with room to spare
 constexpr double kQuantum = 1.01 / 254.0;   // s_r / 2 = max_k |w_rk| / 254, and the scale's rounding
 
-// The largest of t[0..n) and the largest |t|, or (NaN, NaN) where t holds a NaN.
-std::pair<float, float> max_and_magnitude(const float* t, int64_t n) {
-  float best = -INFINITY, magnitude = 0.0f;
+// The largest lower end max_r (t_r - a d_r) (each rounded once) and the largest |t_r|, or
+// (NaN, NaN) where t holds a NaN.
+std::pair<float, float> lower_and_magnitude(const float* t, const float* d, float a, int64_t n) {
+  float lower = -INFINITY, magnitude = 0.0f;
   bool nan = false;
   int64_t i = 0;
 #ifdef __AVX2__
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 vbest = _mm256_set1_ps(-INFINITY), vmag = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.0f), va = _mm256_set1_ps(a);
+  __m256 vlower = _mm256_set1_ps(-INFINITY), vmag = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
   for (; i + 8 <= n; i += 8) {
     const __m256 v = _mm256_loadu_ps(t + i);
-    vbest = _mm256_max_ps(vbest, v);
+    vlower = _mm256_max_ps(vlower, _mm256_fnmadd_ps(va, _mm256_loadu_ps(d + i), v));
     vmag = _mm256_max_ps(vmag, _mm256_andnot_ps(sign, v));
     vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
   }
-  best = max_lane(vbest);
+  lower = max_lane(vlower);
   magnitude = max_lane(vmag);
   nan = _mm256_movemask_ps(vnan) != 0;
 #endif
   for (; i < n; ++i) {
     nan = nan || std::isnan(t[i]);
-    best = std::max(best, t[i]);
+    lower = std::max(lower, std::fma(-a, d[i], t[i]));
     magnitude = std::max(magnitude, std::fabs(t[i]));
   }
-  return nan ? std::pair<float, float>{NAN, NAN} : std::pair<float, float>{best, magnitude};
+  return nan ? std::pair<float, float>{NAN, NAN} : std::pair<float, float>{lower, magnitude};
 }
 
 // One row of x as the screen reads it: float32 (a bfloat16 row widened), its norms, and, for the
@@ -93,7 +94,7 @@ std::pair<float, float> max_and_magnitude(const float* t, int64_t n) {
 struct ScreenRow {
   const float* x = nullptr;
   const c10::BFloat16* x_bf16 = nullptr;  // the row as the full head reads it, for bf16 activations
-  double l1 = 0.0, inf = 0.0;             // |x|_1 and max_k |x_k|, summed in double
+  double l1 = 0.0, l2 = 0.0, inf = 0.0;   // |x|_1, |x|_2 and max_k |x_k|, summed in double
   // VNNI: x ~ scale (q + q_low / 256) in int8, each zero-padded to a multiple of 64, and their sums.
   const int8_t* q = nullptr;
   const int8_t* q_low = nullptr;
@@ -102,13 +103,16 @@ struct ScreenRow {
 };
 
 void measure(ScreenRow& row, int64_t K) {
-  double l1 = 0.0, inf = 0.0;
+  double l1 = 0.0, squares = 0.0, inf = 0.0;
   for (int64_t k = 0; k < K; ++k) {
     const double a = std::fabs(static_cast<double>(row.x[k]));
     l1 += a;
+    squares += a * a;
     inf = std::max(inf, a);
   }
-  row.l1 = l1 * (1.0 + 1e-12 * static_cast<double>(K));  // the double sum's rounding
+  const double rounding = 1.0 + 1e-12 * static_cast<double>(K);  // the double sums' (and root's)
+  row.l1 = l1 * rounding;
+  row.l2 = std::sqrt(squares) * rounding + 1e-150;  // squares of subnormal floats underflow no double
   row.inf = inf;
 }
 
@@ -201,13 +205,15 @@ void vnni_logits(const ScreenRow* rows, const int8_t* screen, const float* scale
     for (int m = 0; m < M; ++m) vnni_rows<1, 1>(rows + m, screen, scales, bias, t + m * N, r, K, N);
 }
 
-// |t_r - x . w_r| <= this: x's rounding against w_r (sum_k |w_rk| <= max_row_l1), and w_r's
-// against x's rounded copy, whose |.|_1 is at most |x|_1 + K kLowStep s_x; the int32 sums are
-// exact. Also returns a bound on the |.| of the screen's products' sum, for the roundings after it.
+// |t_r - x . w_r| <= |x|_2 d_r + this (d_r: see screened_argmax): with x's rounded copy x~ and
+// w_r's w~_r, x . w_r - x~ . w~_r = x . (w_r - w~_r) + (x - x~) . w~_r, the first at most |x|_2
+// d_r, the second at most kLowStep s_x |w~_r|_1 <= kLowStep s_x (max_row_l1 + K max_abs / 254);
+// the int32 sums are exact. Also returns a bound on the |.| of the screen's products' sum, for
+// the roundings after it.
 std::pair<double, double> screen_error(const ScreenRow& row, int64_t K, double max_abs, double max_row_l1) {
   const double step = kLowStep * static_cast<double>(row.scale);
   const double rounded_l1 = row.l1 + step * static_cast<double>(K);
-  return {step * max_row_l1 + kQuantum * rounded_l1 * max_abs, rounded_l1 * max_abs * (1.0 + kQuantum)};
+  return {step * (max_row_l1 + static_cast<double>(K) * kQuantum * max_abs), rounded_l1 * max_abs * (1.0 + kQuantum)};
 }
 #else
 #ifdef __AVX2__
@@ -232,13 +238,12 @@ inline float dot_i8(const float* x, const int8_t* q, int64_t K) {
   return sum;
 }
 
-// |t_r - x . w_r| <= this: the int8 rounding of w_r (|x|_1 max |w| / 254) and the float32 sum's
-// own rounding (gamma_K of its products' magnitudes); and a bound on those magnitudes.
+// |t_r - x . w_r| <= |x|_2 d_r (w_r's int8 rounding; d_r: see screened_argmax) + this: the
+// float32 sum's own rounding, gamma_K of its products' magnitudes; and a bound on those magnitudes.
 std::pair<double, double> screen_error(const ScreenRow& row, int64_t K, double max_abs, double max_row_l1) {
   const double gamma = static_cast<double>(K) * kUnit / (1.0 - static_cast<double>(K) * kUnit);
   const double magnitudes = std::min(row.l1 * max_abs, row.inf * max_row_l1) * (1.0 + kQuantum);
-  const double quantisation = kQuantum * row.l1 * max_abs;
-  return {quantisation + gamma * (1.0 + 1e-6) * magnitudes, magnitudes};
+  return {gamma * (1.0 + 1e-6) * magnitudes, magnitudes};
 }
 #endif
 
@@ -278,22 +283,27 @@ inline float full_logit(const ScreenRow& row, const W* w, const float* bias, int
 }
 
 // The token of one row from its screened logits `t` (bias added), or -1 when they cannot decide it.
+// With |t_r - l_r| <= a d_r + c for every row r (a = |x|_2, c below), the full head's largest
+// logit l_w is at least max_j (t_j - a d_j) - c, so row w has t_w + a d_w >= that - c: only rows
+// that pass this are computed.
 template <typename W>
-int64_t screened_row(const ScreenRow& row, const float* t, const W* head, const float* bias, int64_t N, int64_t K,
-                     double max_abs, double max_row_l1) {
+int64_t screened_row(const ScreenRow& row, const float* t, const float* d, const W* head, const float* bias, int64_t N,
+                     int64_t K, double max_abs, double max_row_l1) {
   const double gamma = static_cast<double>(K) * kUnit / (1.0 - static_cast<double>(K) * kUnit);
   const auto [error, magnitudes] = screen_error(row, K, max_abs, max_row_l1);
-  const auto [top, magnitude] = max_and_magnitude(t, N);
+  const float a = std::nextafter(static_cast<float>(row.l2), INFINITY);
+  const auto [lower, magnitude] = lower_and_magnitude(t, d, a, N);
   // The full head's float32 rounding (gamma_K of its products' magnitudes, bounded as the
-  // screen's), the screen's error, the roundings of the scales' products and of the bias on both
-  // sides, and a margin for subnormal products flushed to zero.
+  // screen's), the screen's error past a d_r, the roundings of the scales' products, of the bias
+  // on both sides and of t_r -+ a d_r here (d_r <= sqrt(K) max |w| / 254), and a margin for
+  // subnormal products flushed to zero.
   const double dots = std::min(row.l1 * max_abs, row.inf * max_row_l1);
-  double bound = gamma * (1.0 + 1e-6) * dots + error + 6.0 * kUnit * (magnitude + dots + magnitudes + error) +
-                 static_cast<double>(K) * 1e-37 + 1e-37;
-  if (row.x_bf16 != nullptr) bound += kBf16Unit * (magnitude + bound);  // the full head's logits are bfloat16
-  if (!std::isfinite(bound) || std::isnan(top)) return -1;
-  // Every row whose screened logit reaches this may hold the largest logit (rounded down to float).
-  const float floor = std::nextafter(static_cast<float>(static_cast<double>(top) - 2.0 * bound), -INFINITY);
+  const double spread = static_cast<double>(a) * std::sqrt(static_cast<double>(K)) * kQuantum * max_abs;
+  double common = gamma * (1.0 + 1e-6) * dots + error +
+                  6.0 * kUnit * (magnitude + dots + magnitudes + error + spread) + static_cast<double>(K) * 1e-37 + 1e-37;
+  if (row.x_bf16 != nullptr) common += kBf16Unit * (magnitude + spread + common);  // the full head's logits are bf16
+  if (!std::isfinite(common) || std::isnan(lower)) return -1;
+  const float floor = std::nextafter(static_cast<float>(static_cast<double>(lower) - 2.0 * common), -INFINITY);
   int64_t best = -1, count = 0;
   float best_logit = 0.0f;
   auto consider = [&](int64_t r) {
@@ -308,23 +318,28 @@ int64_t screened_row(const ScreenRow& row, const float* t, const W* head, const 
   };
   int64_t r = 0;
 #ifdef __AVX2__
-  const __m256 vfloor = _mm256_set1_ps(floor);
+  const __m256 vfloor = _mm256_set1_ps(floor), va = _mm256_set1_ps(a);
   for (; r + 8 <= N; r += 8) {
-    unsigned mask = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(t + r), vfloor, _CMP_GE_OQ)));
+    const __m256 upper = _mm256_fmadd_ps(va, _mm256_loadu_ps(d + r), _mm256_loadu_ps(t + r));
+    unsigned mask = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(upper, vfloor, _CMP_GE_OQ)));
     for (; mask != 0; mask &= mask - 1)
       if (!consider(r + __builtin_ctz(mask))) return -1;
   }
 #endif
   for (; r < N; ++r)
-    if (t[r] >= floor && !consider(r)) return -1;
+    if (std::fma(a, d[r], t[r]) >= floor && !consider(r)) return -1;
   return best;
 }
 
 }  // namespace
 
+// `errors[r]` >= |w_r - q_r s_r|_2, w_r's int8 rounding (greedy_step.py `head_screen`): by
+// Cauchy-Schwarz it moves x . w_r by at most |x|_2 errors[r], a bound per row, and for K = 1,024
+// about a quarter of the largest row sum of |w| / 254 |x|_1 (and a random model's logits spread
+// about as far again), so the screen leaves few rows in the running at any width.
 c10::optional<at::Tensor> screened_argmax(const at::Tensor& x_in, const at::Tensor& head, const at::Tensor& screen,
-                                          const at::Tensor& scales, double max_abs, double max_row_l1,
-                                          const c10::optional<at::Tensor>& bias) {
+                                          const at::Tensor& scales, const at::Tensor& errors, double max_abs,
+                                          double max_row_l1, const c10::optional<at::Tensor>& bias) {
   const bool x_is_bf16 = x_in.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_is_bf16),
               "screened_argmax: x must be float32 or bfloat16 [M, K]");
@@ -337,6 +352,9 @@ c10::optional<at::Tensor> screened_argmax(const at::Tensor& x_in, const at::Tens
   TORCH_CHECK(K <= 65536, "screened_argmax: rows of at most 65,536 (the int32 sums' range)");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
               "screened_argmax: scales must be float32 [N]");
+  TORCH_CHECK(errors.scalar_type() == at::kFloat && errors.is_contiguous() && errors.numel() == N,
+              "screened_argmax: errors must be float32 [N]");
+  const float* d = errors.data_ptr<float>();
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(!x_is_bf16, "screened_argmax: no bias with bfloat16 x");
@@ -370,8 +388,8 @@ c10::optional<at::Tensor> screened_argmax(const at::Tensor& x_in, const at::Tens
     for (int64_t m = begin; m < end; ++m) {
       const float* tm = screened.data_ptr<float>() + m * N;
       out[m] = head.scalar_type() == at::kFloat
-                   ? screened_row(rows[m], tm, head.data_ptr<float>(), b, N, K, max_abs, max_row_l1)
-                   : screened_row(rows[m], tm, head.data_ptr<c10::BFloat16>(), b, N, K, max_abs, max_row_l1);
+                   ? screened_row(rows[m], tm, d, head.data_ptr<float>(), b, N, K, max_abs, max_row_l1)
+                   : screened_row(rows[m], tm, d, head.data_ptr<c10::BFloat16>(), b, N, K, max_abs, max_row_l1);
       if (out[m] < 0) decided.store(false, std::memory_order_relaxed);
     }
   });
@@ -389,7 +407,8 @@ std::tuple<int64_t, int64_t> head_screen_counts() { return {rows_decided.load(),
 }  // namespace spindle
 
 TORCH_LIBRARY_FRAGMENT(spindle, m) {
-  m.def("screened_argmax(Tensor x, Tensor head, Tensor screen, Tensor scales, float max_abs, float max_row_l1, Tensor? bias) "
+  m.def("screened_argmax(Tensor x, Tensor head, Tensor screen, Tensor scales, Tensor errors, float max_abs, "
+        "float max_row_l1, Tensor? bias) "
         "-> Tensor?");
   m.def("head_screen_counts() -> (int, int)", &spindle::head_screen_counts);
 }

@@ -39,8 +39,8 @@ float row_dot_f32(const float* x, const c10::BFloat16* w, int64_t K);
 float row_dot_bf16(const c10::BFloat16* x, const float* x_widened, const c10::BFloat16* w, int64_t K);
 
 c10::optional<at::Tensor> screened_argmax(const at::Tensor& x_in, const at::Tensor& head, const at::Tensor& screen,
-                                          const at::Tensor& scales, double max_abs, double max_row_l1,
-                                          const c10::optional<at::Tensor>& bias);
+                                          const at::Tensor& scales, const at::Tensor& errors, double max_abs,
+                                          double max_row_l1, const c10::optional<at::Tensor>& bias);
 
 at::Tensor decoder_stack(const at::Tensor& hidden, const std::vector<at::Tensor>& weights,
                          const std::vector<c10::optional<at::Tensor>>& biases, const std::vector<at::Tensor>& kv_caches,
