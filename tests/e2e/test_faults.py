@@ -21,8 +21,8 @@ from shared.pb.spindle.v1 import generation_pb2, generation_pb2_grpc
 from shared.ports import free_port
 from tests.e2e.clients import Generated, grpc_channel
 from tests.e2e.faults import RedisServer, child, flag, kill9, redis_server
+from tests.e2e.metrics import metric_sum
 from tests.e2e.server import RunningServer, spindle_serve
-from tests.e2e.test_observability import _sum
 from tests.e2e.test_scheduler_pressure import assert_matches_oracle, jobs_for, scheduler_stats
 
 pytestmark = pytest.mark.e2e
@@ -80,7 +80,7 @@ def wait_until_idle(server: RunningServer, metrics_port: int, redis: RedisServer
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port + 1}/metrics", timeout=10) as resp:
             metrics = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
                        for line in resp.read().decode().splitlines() if line and not line.startswith("#")}
-        usage = _sum(metrics, "spindle:kv_cache_usage_perc")
+        usage = metric_sum(metrics, "spindle:kv_cache_usage_perc")
         journal = redis.journal_size() if redis is not None else 0
         if (stats.num_running, stats.num_waiting, usage, journal) == (0, 0, 0.0, 0):
             return
