@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from shared.pb.spindle.v1 import generation_pb2, generation_pb2_grpc
 from shared.ports import free_port
 from tests.e2e.clients import Generated, grpc_channel
 from tests.e2e.faults import RedisServer, child, flag, kill9, redis_server
-from tests.e2e.metrics import metric_sum
+from tests.e2e.metrics import metric_sum, scrape
 from tests.e2e.server import RunningServer, spindle_serve
 from tests.e2e.test_scheduler_pressure import assert_matches_oracle, jobs_for, scheduler_stats
 
@@ -77,10 +76,7 @@ def wait_until_idle(server: RunningServer, metrics_port: int, redis: RedisServer
     deadline = time.monotonic() + 20
     while True:
         stats = scheduler_stats(flag(cmdline, "--listen"))
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port + 1}/metrics", timeout=10) as resp:
-            metrics = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-                       for line in resp.read().decode().splitlines() if line and not line.startswith("#")}
-        usage = metric_sum(metrics, "spindle:kv_cache_usage_perc")
+        usage = metric_sum(scrape(metrics_port + 1), "spindle:kv_cache_usage_perc")
         journal = redis.journal_size() if redis is not None else 0
         if (stats.num_running, stats.num_waiting, usage, journal) == (0, 0, 0.0, 0):
             return
@@ -122,9 +118,7 @@ def test_one_of_two_workers_killed(tiny_models: dict[str, Path], tmp_path: Path)
             # The launcher restarted it and it rejoined: both workers serve again.
             deadline = time.monotonic() + 60
             while True:
-                with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port + 1}/metrics", timeout=10) as resp:
-                    text = resp.read().decode()
-                if 'spindle:worker_healthy{model_name="tiny-qwen2",worker="0"} 1.0' in text:
+                if scrape(metrics_port + 1).get('spindle:worker_healthy{model_name="tiny-qwen2",worker="0"}') == 1.0:
                     break
                 assert time.monotonic() < deadline, "the killed worker never rejoined"
                 time.sleep(0.2)
@@ -142,8 +136,7 @@ def test_a_round_that_raises_inside_the_worker(tiny_models: dict[str, Path], tmp
         with serve as server:
             results = run_with_fault(server, jobs, lambda: None, after_tokens=1)
             wait_until_idle(server, metrics_port, redis)
-            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port + 2}/metrics", timeout=10) as resp:
-                assert "spindle:worker_rounds_failed_total 1.0" in resp.read().decode()
+            assert scrape(metrics_port + 2).get("spindle:worker_rounds_failed_total") == 1.0
     assert_matches_oracle(model, jobs, results)
 
 

@@ -69,6 +69,20 @@ def test_screen_picks_the_full_heads_tokens_for_bf16_activations(vocab: int, hid
         torch.ops.spindle.set_one_row_pairs(False)  # as the library loads; a model's loader sets its own
 
 
+def test_any_number_of_rows() -> None:
+    """The op takes x's rows in groups (four at a time on VNNI): 5-9 rows and none answer as each
+    row alone would, though greedy steps pass it at most four."""
+    gen = torch.Generator().manual_seed(4)
+    head = torch.randn(1000, 96, generator=gen) * 0.2
+    screen = _screen(head)
+    for rows in (5, 8, 9):
+        x = torch.randn(rows, 96, generator=gen)
+        tokens = torch.ops.spindle.screened_argmax(x, head, *screen, None)
+        assert tokens is not None and torch.equal(tokens, _full_head_tokens(x, head, None))
+    empty = torch.ops.spindle.screened_argmax(torch.zeros(0, 96), head, *screen, None)
+    assert empty is not None and empty.shape == (0,)
+
+
 def test_exact_ties_go_to_the_first_index() -> None:
     head = torch.randn(500, 64, generator=torch.Generator().manual_seed(1))
     head[300] = head[120]

@@ -40,6 +40,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -61,6 +62,10 @@ std::atomic<int64_t> rows_decided{0}, rows_undecided{0};
 constexpr double kUnit = 1.0 / 16777216.0;  // 2^-24: float32's unit roundoff
 constexpr double kBf16Unit = 1.0 / 256.0;   // 2^-8: bfloat16's unit roundoff (2^-9) with room to spare
 constexpr double kQuantum = 1.01 / 254.0;   // s_r / 2 = max_k |w_rk| / 254, and the scale's rounding
+
+// gamma_K = K 2^-24 / (1 - K 2^-24): a float32 sum of K products is off its real value by at most
+// this much of the sum of their magnitudes.
+inline double gamma_k(int64_t K) { return static_cast<double>(K) * kUnit / (1.0 - static_cast<double>(K) * kUnit); }
 
 // The largest lower end max_r (t_r - a d_r) (each rounded once) and the largest |t_r|, or
 // (NaN, NaN) where t holds a NaN.
@@ -241,9 +246,8 @@ inline float dot_i8(const float* x, const int8_t* q, int64_t K) {
 // |t_r - x . w_r| <= |x|_2 d_r (w_r's int8 rounding; d_r: see screened_argmax) + this: the
 // float32 sum's own rounding, gamma_K of its products' magnitudes; and a bound on those magnitudes.
 std::pair<double, double> screen_error(const ScreenRow& row, int64_t K, double max_abs, double max_row_l1) {
-  const double gamma = static_cast<double>(K) * kUnit / (1.0 - static_cast<double>(K) * kUnit);
   const double magnitudes = std::min(row.l1 * max_abs, row.inf * max_row_l1) * (1.0 + kQuantum);
-  return {gamma * (1.0 + 1e-6) * magnitudes, magnitudes};
+  return {gamma_k(K) * (1.0 + 1e-6) * magnitudes, magnitudes};
 }
 #endif
 
@@ -256,11 +260,15 @@ at::Tensor int8_logits(const std::vector<ScreenRow>& rows, const at::Tensor& q, 
   const float* sc = scales.data_ptr<float>();
   float* ts = t.data_ptr<float>();
 #ifdef SPINDLE_SCREEN_VNNI
-  switch (M) {
-    case 1: vnni_logits<1>(rows.data(), qs, sc, bias, ts, K, N); break;
-    case 2: vnni_logits<2>(rows.data(), qs, sc, bias, ts, K, N); break;
-    case 3: vnni_logits<3>(rows.data(), qs, sc, bias, ts, K, N); break;
-    default: vnni_logits<4>(rows.data(), qs, sc, bias, ts, K, N); break;
+  for (int64_t m = 0; m < M; m += 4) {  // x's rows four at a time (greedy_decode passes at most kScreenRows)
+    const ScreenRow* group = rows.data() + m;
+    float* tm = ts + m * N;
+    switch (std::min<int64_t>(M - m, 4)) {
+      case 1: vnni_logits<1>(group, qs, sc, bias, tm, K, N); break;
+      case 2: vnni_logits<2>(group, qs, sc, bias, tm, K, N); break;
+      case 3: vnni_logits<3>(group, qs, sc, bias, tm, K, N); break;
+      default: vnni_logits<4>(group, qs, sc, bias, tm, K, N); break;
+    }
   }
 #else
   spindle::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
@@ -289,7 +297,6 @@ inline float full_logit(const ScreenRow& row, const W* w, const float* bias, int
 template <typename W>
 int64_t screened_row(const ScreenRow& row, const float* t, const float* d, const W* head, const float* bias, int64_t N,
                      int64_t K, double max_abs, double max_row_l1) {
-  const double gamma = static_cast<double>(K) * kUnit / (1.0 - static_cast<double>(K) * kUnit);
   const auto [error, magnitudes] = screen_error(row, K, max_abs, max_row_l1);
   const float a = std::nextafter(static_cast<float>(row.l2), INFINITY);
   const auto [lower, magnitude] = lower_and_magnitude(t, d, a, N);
@@ -299,7 +306,7 @@ int64_t screened_row(const ScreenRow& row, const float* t, const float* d, const
   // subnormal products flushed to zero.
   const double dots = std::min(row.l1 * max_abs, row.inf * max_row_l1);
   const double spread = static_cast<double>(a) * std::sqrt(static_cast<double>(K)) * kQuantum * max_abs;
-  double common = gamma * (1.0 + 1e-6) * dots + error +
+  double common = gamma_k(K) * (1.0 + 1e-6) * dots + error +
                   6.0 * kUnit * (magnitude + dots + magnitudes + error + spread) + static_cast<double>(K) * 1e-37 + 1e-37;
   if (row.x_bf16 != nullptr) common += kBf16Unit * (magnitude + spread + common);  // the full head's logits are bf16
   if (!std::isfinite(common) || std::isnan(lower)) return -1;
@@ -366,8 +373,10 @@ c10::optional<at::Tensor> screened_argmax(const at::Tensor& x_in, const at::Tens
   }
   const at::Tensor x = x_in.contiguous();
   const at::Tensor widened = x_is_bf16 ? x.to(at::kFloat) : x;
-  const int64_t padded = (K + 63) / 64 * 64;
+#ifdef SPINDLE_SCREEN_VNNI
+  const int64_t padded = (K + kBytes - 1) / kBytes * kBytes;
   std::vector<int8_t> quantized(static_cast<size_t>(2 * M * padded));
+#endif
   std::vector<ScreenRow> rows(static_cast<size_t>(M));
   for (int64_t m = 0; m < M; ++m) {
     ScreenRow& row = rows[m];
