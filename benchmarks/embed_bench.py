@@ -37,6 +37,7 @@ from benchmarks.embed_report import ST, EmbedRow, failed_row, format_table, row_
 from benchmarks.limit import machine_cores
 from benchmarks.load_client import LoadConfig, run_load
 from benchmarks.models import REPO
+from benchmarks.process_cpu import cpu_ms_per, read_group
 from benchmarks.report import machine_info
 from benchmarks.soak_probe import worker_phase_seconds
 from benchmarks.workload import english_like_sentences
@@ -199,10 +200,11 @@ def _run_spindle(job: Job, ctx: EmbedContext) -> EmbedRow:
         config = LoadConfig(base_url=server.http_url, model=server.model_name, concurrency=job.concurrency,
                             seed=s.seed, timeout_s=s.request_timeout_s)
         asyncio.run(_warm(config, warmup, sender.encoding_format))
-        before = worker_phase_seconds(metrics_port + 2)
+        before, cpu_before = worker_phase_seconds(metrics_port + 2), read_group(server.process.pid)
         run = asyncio.run(run_load(config, batches, sender))
-        after = worker_phase_seconds(metrics_port + 2)
+        after, cpu_after = worker_phase_seconds(metrics_port + 2), read_group(server.process.pid)
     row = row_from_load(job.config, job.concurrency, job.sentences_per_request, batches, run, sender.min_cosine)
+    row = replace(row, cpu_ms_per_request=cpu_ms_per(cpu_before, cpu_after, len(batches)))
     if before is None or after is None or run.summary.duration_s <= 0:
         return row
     busy = {phase: (seconds - before[0].get(phase, 0.0)) / run.summary.duration_s

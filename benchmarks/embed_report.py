@@ -38,6 +38,9 @@ class EmbedRow:
         error: why the whole configuration could not run (then the figures are zeros).
         worker_busy: spindle only: the share of the timed run's wall time the worker spent in each
             step phase (services/worker/step_phases.py); what is left, it waited for rounds.
+        cpu_ms_per_request: spindle only: CPU milliseconds per request of each of the server's
+            processes by role, and of the load client (benchmarks/process_cpu.py): where the
+            host work around the model goes.
     """
 
     config: str
@@ -53,6 +56,7 @@ class EmbedRow:
     min_cosine: float | None = None
     error: str | None = None
     worker_busy: dict[str, float] | None = None
+    cpu_ms_per_request: dict[str, float] | None = None
 
     @property
     def sentences_per_s(self) -> float:
@@ -111,7 +115,7 @@ def format_table(rows: Sequence[EmbedRow]) -> str:
                      format_ms(row.latency.p99_ms) if row.latency else "", "" if ratio is None else f"{ratio:.2f}",
                      "" if row.min_cosine is None else f"{row.min_cosine:.5f}", "; ".join(notes)]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n" + format_worker_busy(rows)
+    return "\n".join(lines) + "\n" + format_worker_busy(rows) + format_cpu_per_request(rows)
 
 
 def format_worker_busy(rows: Sequence[EmbedRow]) -> str:
@@ -135,6 +139,22 @@ def format_worker_busy(rows: Sequence[EmbedRow]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def format_cpu_per_request(rows: Sequence[EmbedRow]) -> str:
+    """CPU ms per request by process in each spindle row ("" if unmeasured): at one request in
+    flight everything but the worker's forward pass is latency the model waits through."""
+    measured = [r for r in rows if r.cpu_ms_per_request]
+    if not measured:
+        return ""
+    roles = list(dict.fromkeys(role for r in measured for role in r.cpu_ms_per_request or {}))
+    lines = ["", "CPU ms per request, by process:", "",
+             "| config | conc | " + " | ".join(roles) + " |", "|---|---|" + "---|" * len(roles)]
+    for r in measured:
+        cpu = r.cpu_ms_per_request or {}
+        lines.append(f"| {r.config} | {r.concurrency} | " + " | ".join(f"{cpu.get(role, 0.0):.2f}" for role in roles)
+                     + " |")
+    return "\n".join(lines) + "\n"
+
+
 def rows_to_json(rows: Sequence[EmbedRow]) -> list[dict[str, object]]:
     """Every row with its derived figures, for the results JSON."""
     out = []
@@ -148,6 +168,6 @@ def rows_to_json(rows: Sequence[EmbedRow]) -> list[dict[str, object]]:
                 "p99": row.latency.p99_ms},
             "num_failed_requests": row.num_failed_requests, "errors": list(row.errors),
             "min_cosine_vs_st": row.min_cosine, "ratio_vs_st": ratio_to_st(row, rows), "error": row.error,
-            "worker_busy": row.worker_busy,
+            "worker_busy": row.worker_busy, "cpu_ms_per_request": row.cpu_ms_per_request,
         })
     return out

@@ -55,7 +55,7 @@ from benchmarks.metrics import LatencyStats, steady_state_itls
 from benchmarks.models import BENCH_MODELS, LONG_SUFFIX, REPO, ensure_model
 from benchmarks.peer_report import SPINDLE, SWEEP, TABLE, PeerRow, format_report, write_json, write_outputs
 from benchmarks.peer_servers import PEERS, VLLM, ServeShape, peer_server
-from benchmarks.process_cpu import CpuReading, cpu_ms_per_token, read_group
+from benchmarks.process_cpu import CpuReading, cpu_ms_per, read_group
 from benchmarks.report import machine_info
 from benchmarks.roofline import MachineLimits
 from benchmarks.soak_probe import frontend_step_transit, worker_phase_seconds
@@ -228,7 +228,7 @@ def _drive(job: PeerJob, settings: PeerBenchSettings, base_url: str, model_name:
     run = asyncio.run(asyncio.wait_for(
         run_with_warmup(config, requests, warmup, on_timed_start=lambda: readings.append(read_group(pgid))),
         settings.job_budget_s))
-    return run, cpu_ms_per_token(readings[0], read_group(pgid), run.summary.total_output_tokens)
+    return run, cpu_ms_per(readings[0], read_group(pgid), run.summary.total_output_tokens)
 
 
 def _row(job: PeerJob, limits: MachineLimits, run: LoadRun | None = None, error: str | None = None,

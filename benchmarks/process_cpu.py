@@ -94,13 +94,13 @@ def read_group(pgid: int) -> CpuReading:
     return CpuReading(seconds, roles)
 
 
-def cpu_ms_per_token(before: CpuReading, after: CpuReading, output_tokens: int) -> dict[str, float] | None:
-    """ms of CPU per output token by role between two readings (a process started in between
-    counts from zero); None without tokens or without /proc."""
-    if output_tokens <= 0 or not after.seconds:
+def cpu_ms_per(before: CpuReading, after: CpuReading, count: int) -> dict[str, float] | None:
+    """ms of CPU per unit of work (`count` output tokens, or requests) by role between two readings
+    (a process started in between counts from zero); None without work or without /proc."""
+    if count <= 0 or not after.seconds:
         return None
     by_role: dict[str, float] = {}
     for pid, used in after.seconds.items():
         role = after.roles[pid]
         by_role[role] = by_role.get(role, 0.0) + used - before.seconds.get(pid, 0.0)
-    return {role: used / output_tokens * 1e3 for role, used in sorted(by_role.items(), key=lambda kv: -kv[1])}
+    return {role: used / count * 1e3 for role, used in sorted(by_role.items(), key=lambda kv: -kv[1])}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.process_cpu import LOAD_CLIENT, CpuReading, cpu_ms_per_token, cpu_seconds, read_group, role_of
+from benchmarks.process_cpu import LOAD_CLIENT, CpuReading, cpu_ms_per, cpu_seconds, read_group, role_of
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
 
@@ -49,7 +49,7 @@ def test_a_busy_process_of_the_group_is_charged_and_an_idle_one_is_not() -> None
         per_pid = {pid: after.seconds[pid] - before.seconds.get(pid, 0.0) for pid in after.seconds}
         assert per_pid[proc.pid] < 0.05  # the idle one (the shell exec'd into it)
         assert max(per_pid.values()) >= 0.3  # the busy child, ~0.6 s in all
-        ms = cpu_ms_per_token(before, after, output_tokens=100)
+        ms = cpu_ms_per(before, after, count=100)
         assert ms is not None and ms["python"] == pytest.approx(sum(v for p, v in per_pid.items() if p != os.getpid())
                                                              / 100 * 1e3)
     finally:
@@ -61,7 +61,7 @@ def test_this_process_is_the_load_client_and_no_tokens_means_no_figure() -> None
     own = cpu_seconds(os.getpid())
     assert own is not None and own > 0
     reading = CpuReading({1: 1.0}, {1: "worker"})
-    assert cpu_ms_per_token(reading, reading, output_tokens=0) is None
-    assert cpu_ms_per_token(reading, CpuReading({}, {}), output_tokens=10) is None  # no /proc
+    assert cpu_ms_per(reading, reading, count=0) is None
+    assert cpu_ms_per(reading, CpuReading({}, {}), count=10) is None  # no /proc
     later = CpuReading({1: 1.5, 2: 0.2}, {1: "worker", 2: "worker"})  # a second worker started in between
-    assert cpu_ms_per_token(reading, later, output_tokens=100) == pytest.approx({"worker": 7.0})
+    assert cpu_ms_per(reading, later, count=100) == pytest.approx({"worker": 7.0})
