@@ -18,6 +18,8 @@ side in a process of its own on uvloop, as the services run, and each reports it
   step-socket         the step socket as the services run it: the worker's `StepSender` writes each
                       frame with a blocking send from a thread of its own (as the compute thread
                       does), the receiver reads frames as the scheduler does
+  step-socket-local   the same on the step socket's local Unix socket (shared/step_listener.py), as
+                      co-located services dial it
 
 The sender's figure includes the pacing timer (the event loop's; step-socket's thread sleeps). Each cell is a
 fresh pair of processes; run the command twice to see the host's noise.
@@ -33,20 +35,23 @@ import asyncio
 import json
 import os
 import resource
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from benchmarks.cli_args import comma_list
 from shared.grpc_io import LEGACY_POLLING_EXPERIMENTS
+from shared.step_listener import local_address
 
-TRANSPORTS = ("grpc", "grpc-event-engine", "stream", "step-socket")
+TRANSPORTS = ("grpc", "grpc-event-engine", "stream", "step-socket", "step-socket-local")
 # GRPC_EXPERIMENTS of each child (None: unset), fixed before it imports grpc: gRPC reads its
 # experiments once, at start-up.
 TRANSPORT_EXPERIMENTS = {"grpc": LEGACY_POLLING_EXPERIMENTS, "grpc-event-engine": None, "stream": None,
-                         "step-socket": None}
+                         "step-socket": None, "step-socket-local": None}
 _WARMUP = 20  # messages before either side starts counting (connection set up, caches warm)
 
 
@@ -147,9 +152,15 @@ async def _receive_grpc(port: int, messages: int) -> dict[str, float]:
     return result
 
 
+def _local_name(port: int) -> str:
+    return f"spindle-transport-bench-{port}"
+
+
 async def _serve_once(port: int, ready: int,
-                      send: Callable[[asyncio.StreamWriter], Awaitable[dict[str, float]]]) -> dict[str, float]:
-    """Listen on `port`, run `send` on the first connection, return what it measured."""
+                      send: Callable[[asyncio.StreamWriter], Awaitable[dict[str, float]]],
+                      local: bool = False) -> dict[str, float]:
+    """Listen on `port` (`local`: on a local Unix socket named after it), run `send` on the first
+    connection, return what it measured."""
     finished = asyncio.Event()
     result: dict[str, float] = {}
 
@@ -158,7 +169,14 @@ async def _serve_once(port: int, ready: int,
         writer.close()
         finished.set()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", port)
+    if local:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(local_address(_local_name(port)))
+        sock.listen(1)
+        sock.setblocking(False)
+        server = await asyncio.start_unix_server(serve, sock=sock)
+    else:
+        server = await asyncio.start_server(serve, "127.0.0.1", port)
     os.write(ready, b"1")
     await finished.wait()
     server.close()
@@ -182,7 +200,8 @@ async def _send_stream(port: int, payload: bytes, messages: int, pace_s: float, 
     return await _serve_once(port, ready, send)
 
 
-async def _send_step_socket(port: int, payload: bytes, messages: int, pace_s: float, ready: int) -> dict[str, float]:
+async def _send_step_socket(port: int, payload: bytes, messages: int, pace_s: float, ready: int,
+                            local: bool = False) -> dict[str, float]:
     from services.worker.step_socket import StepSender
     from shared.step_frames import STEP, frame
 
@@ -203,14 +222,18 @@ async def _send_step_socket(port: int, payload: bytes, messages: int, pace_s: fl
         finally:
             sender.close()
 
-    return await _serve_once(port, ready, send)
+    return await _serve_once(port, ready, send, local)
 
 
-async def _receive_frames(port: int, messages: int) -> dict[str, float]:
+async def _receive_frames(port: int, messages: int, local: bool = False) -> dict[str, float]:
     from shared.pb.spindle.v1 import worker_pb2
+    from shared.step_dial import open_local
     from shared.step_frames import read_frame
 
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    if local:
+        reader, writer = await open_local(_local_name(port))
+    else:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
     before = _cpu_s()
     for count in range(1, messages + 1):
         item = await read_frame(reader)
@@ -224,7 +247,8 @@ async def _receive_frames(port: int, messages: int) -> dict[str, float]:
 
 # Each transport's two sides (the gRPC ones differ only in the experiments their processes start with).
 _SIDES = {"grpc": (_send_grpc, _receive_grpc), "grpc-event-engine": (_send_grpc, _receive_grpc),
-          "stream": (_send_stream, _receive_frames), "step-socket": (_send_step_socket, _receive_frames)}
+          "stream": (_send_stream, _receive_frames), "step-socket": (_send_step_socket, _receive_frames),
+          "step-socket-local": (partial(_send_step_socket, local=True), partial(_receive_frames, local=True))}
 
 
 def _run_pair(transport: str, port: int, messages: int, pace_s: float, rows: int) -> dict[str, dict[str, float]]:

@@ -145,3 +145,4 @@ class WorkerInfo:
     mm_tokens_per_item: int = 0  # feature tokens per image (0: the model takes no images)
     encoder_cache_tokens: int = 0  # encoder outputs the worker can hold, in feature tokens
     step_port: int = 0  # the worker's step socket (shared/step_frames.py); 0: Execute over gRPC only
+    step_local_socket: str = ""  # the same on a local socket (shared/step_listener.py); "": none

@@ -235,6 +235,7 @@ def worker_info_to_proto(info: WorkerInfo) -> worker_pb2.GetWorkerInfoResponse:
         mm_tokens_per_item=info.mm_tokens_per_item,
         encoder_cache_tokens=info.encoder_cache_tokens,
         step_port=info.step_port,
+        step_local_socket=info.step_local_socket,
     )
 
 
@@ -254,4 +255,5 @@ def worker_info_from_proto(msg: worker_pb2.GetWorkerInfoResponse) -> WorkerInfo:
         mm_tokens_per_item=msg.mm_tokens_per_item,
         encoder_cache_tokens=msg.encoder_cache_tokens,
         step_port=msg.step_port,
+        step_local_socket=msg.step_local_socket,
     )

@@ -7,6 +7,9 @@ REQUEST frames in order, each STEP frame's payload goes to `on_payload`, heartbe
 ways, and it returns how the stream ended. `None` in the outbox ends the dialer's side: a worker
 then finishes its rounds and ends with an END frame, while the scheduler takes a frontend that
 ends its side as gone (services/scheduler/step_socket.py).
+
+Where the server announced a local socket (shared/step_listener.py), `dial` tries it first and
+takes host:port where it cannot be reached (another network namespace: another pod or machine).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +37,7 @@ from shared.step_frames import (
     keep_alive,
     parse_end,
 )
+from shared.step_listener import local_address
 
 Item = TypeVar("Item")
 
@@ -112,17 +117,45 @@ def step_socket_host(address: str) -> str | None:
     return host.strip("[]")
 
 
+async def open_local(name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the local step socket `name` (OSError where this network namespace has none)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, local_address(name))
+        return await asyncio.open_unix_connection(sock=sock)
+    except BaseException:
+        sock.close()
+        raise
+
+
+async def _connect(host: str, port: int, local_name: str,
+                   peer: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """The local socket where it can be reached, else host:port (StepSocketUnreachableError: neither)."""
+    if local_name:
+        try:
+            connection = await open_local(local_name)
+        except OSError as exc:  # refused: not on this host, or not in this network namespace
+            logger.info("the %s's local step socket @%s is not reachable from here (%s); dialing %s:%d",
+                        peer, local_name, exc.strerror or exc, host, port)
+        else:
+            logger.info("the %s's step stream runs on its local socket @%s", peer, local_name)
+            return connection
+    try:
+        return await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
+    except (OSError, TimeoutError) as exc:
+        raise StepSocketUnreachableError(f"step socket {host}:{port} unreachable ({exc!r})") from None
+
+
 async def dial(host: str, port: int, outbox: asyncio.Queue[Item | None], encode: Callable[[Item], bytes],
                on_payload: Callable[[bytes], None], peer: str, heartbeat_s: float = HEARTBEAT_INTERVAL_S,
                silence_timeout_s: float = SILENCE_TIMEOUT_S, fallback: StepSocketFallback | None = None,
-               ) -> StreamEnded:
-    """Run one stream on host:port until it ends (`peer` names the server in the words of the end),
-    and tell `fallback` how it ended. An exception of `on_payload` propagates; StepSocketUnreachableError
-    where no connection could be made, with nothing taken from the outbox."""
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
-    except (OSError, TimeoutError) as exc:
-        raise StepSocketUnreachableError(f"step socket {host}:{port} unreachable ({exc!r})") from None
+               local_name: str = "") -> StreamEnded:
+    """Run one stream on the server's local socket `local_name` ("": none) where it can be reached, else
+    on host:port, until it ends (`peer` names the server in the words of the end), and tell `fallback`
+    how it ended. An exception of `on_payload` propagates; StepSocketUnreachableError where no
+    connection could be made, with nothing taken from the outbox."""
+    reader, writer = await _connect(host, port, local_name, peer)
     frames = FrameReader(reader)
     silent: list[str] = []
 

@@ -1,4 +1,5 @@
-"""Frames of a step socket: a gRPC stream of steps carried on a plain TCP socket.
+"""Frames of a step socket: a gRPC stream of steps carried on a plain TCP socket (or a local
+Unix socket between services of one network namespace: shared/step_listener.py).
 
 Two streams have one. A worker's step socket carries the scheduler's Execute stream (rounds
 in, each step's tokens out: services/worker/step_socket.py), and the scheduler's carries each

@@ -47,6 +47,7 @@ class SchedulerInfo:
     limit_mm_per_prompt: int = 0  # most images per request
     normalizes_embeddings: bool = False  # the scheduler passes AddRequest.normalize to its workers
     step_port: int = 0  # the scheduler's step socket (shared/step_frames.py); 0: Connect over gRPC only
+    step_local_socket: str = ""  # the same on a local socket (shared/step_listener.py); "": none
 
     @property
     def max_total_tokens(self) -> int:

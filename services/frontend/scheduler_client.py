@@ -338,7 +338,7 @@ class SchedulerClient:
             assert self._step_host is not None
             try:
                 ended = await dial(self._step_host, info.step_port, outbox, _encode, self._dispatch_payload,
-                                   "scheduler", fallback=self._socket_fallback)
+                                   "scheduler", fallback=self._socket_fallback, local_name=info.step_local_socket)
             except StepSocketUnreachableError as exc:
                 logger.warning("the scheduler's %s; this stream goes over gRPC", exc)
             except Exception as exc:  # a step message that cannot be read or applied: reconnect, re-submit

@@ -118,6 +118,7 @@ def info_from_proto(msg: scheduler_pb2.GetSchedulerInfoResponse) -> SchedulerInf
         limit_mm_per_prompt=msg.limit_mm_per_prompt,
         normalizes_embeddings=msg.normalizes_embeddings,
         step_port=msg.step_port,
+        step_local_socket=msg.step_local_socket,
     )
 
 

@@ -182,6 +182,7 @@ async def serve(config: SchedulerConfig) -> None:
         logger.info("no step socket: with internal TLS frontends connect over gRPC")
     elif config.step_port >= 0:
         servicer.step_port = await step_socket.start(config.listen.rsplit(":", 1)[0], config.step_port)
+        servicer.step_local_socket = step_socket.local_name
 
     def on_ready_change(ready: bool) -> None:
         """Health tells the truth: NOT_SERVING while no worker can serve."""

@@ -47,6 +47,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(self, engine: EngineLoop) -> None:
         self.engine = engine
         self.step_port = 0  # the step socket's port that GetSchedulerInfo announces (0: none)
+        self.step_local_socket = ""  # and its local socket's name ("": none; shared/step_listener.py)
 
     async def Connect(self, request_iterator: AsyncIterator[scheduler_pb2.ConnectRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.ConnectResponse]:
@@ -127,6 +128,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                                context: grpc.aio.ServicerContext) -> scheduler_pb2.GetSchedulerInfoResponse:
         msg = wire.info_to_proto(self.engine.info())
         msg.step_port = self.step_port
+        msg.step_local_socket = self.step_local_socket
         return msg
 
 

@@ -33,13 +33,14 @@ from shared.step_frames import (
     frame,
     keep_alive,
 )
-from shared.step_listener import StepListener
+from shared.step_listener import StepListener, peer_name
 
 logger = logging.getLogger(__name__)
 
 
 class StepSocket(StepListener):
-    """Serves frontends' Connect streams for `servicer` on a TCP port beside the scheduler's gRPC one.
+    """Serves frontends' Connect streams for `servicer` on a TCP port beside the scheduler's gRPC one
+    (and a local socket).
 
     Closing it only stops taking connections: the streams end with the engine, which ends every
     frontend's connection when it stops."""
@@ -50,7 +51,7 @@ class StepSocket(StepListener):
         self._servicer = servicer
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
+        peer = peer_name(writer)
         frames = FrameReader(reader)
         stream = asyncio.create_task(self._stream(frames, writer, peer), name=f"step-socket-{peer}")
         silence = asyncio.create_task(keep_alive(writer.write, frames, self._heartbeat_s, self._silence_timeout_s),

@@ -28,12 +28,13 @@ def _encode(item: ExecuteRound | AbortRows) -> bytes:
 
 async def stream_steps(host: str, port: int, outbox: asyncio.Queue[Outgoing], on_step: Callable[[StepOutput], None],
                        heartbeat_s: float = HEARTBEAT_INTERVAL_S, silence_timeout_s: float = SILENCE_TIMEOUT_S,
-                       fallback: StepSocketFallback | None = None) -> str:
-    """Run one stream on host:port until it ends (told to `fallback`); why it ended. An exception of
-    `on_step` propagates, and StepSocketUnreachableError where no connection could be made (nothing was sent)."""
+                       fallback: StepSocketFallback | None = None, local_name: str = "") -> str:
+    """Run one stream on the worker's local socket `local_name` where it can be reached, else on
+    host:port, until it ends (told to `fallback`); why it ended. An exception of `on_step`
+    propagates, and StepSocketUnreachableError where no connection could be made (nothing was sent)."""
     ended = await dial(host, port, outbox, _encode,
                        lambda payload: on_step(step_from_proto(worker_pb2.ExecuteResponse.FromString(payload))),
-                       "worker", heartbeat_s, silence_timeout_s, fallback)
+                       "worker", heartbeat_s, silence_timeout_s, fallback, local_name)
     if ended.closed:
         return STREAM_CLOSED
     return ended.why if ended.code is None else f"Execute stream broke ({ended.code.name}: {ended.why})"

@@ -47,6 +47,7 @@ class WorkerClient:
         self.address = address
         self._step_host = step_socket_host(address) if step_socket and tls is None else None
         self._step_port = 0  # the step socket's port the worker offered (0: none), from wait_ready
+        self._step_local_socket = ""  # and its local socket's name ("": none)
         self._socket_fallback = StepSocketFallback(f"worker {index}")  # gRPC for a while where it never answers
         self._ready_timeout_s = ready_timeout_s
         self._backoff_initial_s = backoff_initial_s
@@ -67,6 +68,7 @@ class WorkerClient:
                 msg = await self._stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10.0)
                 info = worker_info_from_proto(msg)
                 self._step_port = info.step_port if self._step_host is not None else 0
+                self._step_local_socket = info.step_local_socket if self._step_port else ""
                 logger.info("worker %d at %s ready: model %s (%s on %s), %d KV blocks x %d tokens; steps over %s",
                             self.index, self.address, info.model_id, info.dtype, info.device,
                             info.num_kv_blocks, info.block_size,
@@ -133,7 +135,7 @@ class WorkerClient:
         assert self._step_host is not None
         try:
             return await stream_steps(self._step_host, self._step_port, self._outbox, on_step,
-                                      fallback=self._socket_fallback)
+                                      fallback=self._socket_fallback, local_name=self._step_local_socket)
         except StepSocketUnreachableError as exc:
             logger.warning("worker %d: %s; this stream goes over gRPC", self.index, exc)
             return await self._stream_on_grpc(on_step)

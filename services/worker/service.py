@@ -77,7 +77,7 @@ async def serve(config: WorkerConfig) -> None:
         logger.info("no step socket: with internal TLS steps go over Execute")
     elif config.step_port >= 0:
         step_port = await step_socket.start(config.listen.rsplit(":", 1)[0], config.step_port)
-        info = dataclasses.replace(info, step_port=step_port)
+        info = dataclasses.replace(info, step_port=step_port, step_local_socket=step_socket.local_name)
     servicer.attach(info, pipeline)
     freeze_startup_heap()
     await service.set_serving([SERVICE_NAME])

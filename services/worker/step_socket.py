@@ -39,7 +39,7 @@ from shared.step_frames import (
     frame,
     keep_alive,
 )
-from shared.step_listener import StepListener
+from shared.step_listener import StepListener, peer_name
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,8 @@ class StepSender:
         # and this one blocks (up to the timeout) where the original may not.
         self._sock = socket.socket(fileno=os.dup(connection.fileno()))
         self._sock.settimeout(SEND_TIMEOUT_S)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if connection.family in (socket.AF_INET, socket.AF_INET6):  # (a local Unix socket has no Nagle)
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._lock = threading.Lock()
 
     def send_step(self, step: StepOutput) -> None:
@@ -74,7 +75,7 @@ class StepSender:
 
 
 class StepSocket(StepListener):
-    """Serves the step socket for `pipeline` on a TCP port beside the worker's gRPC one."""
+    """Serves the step socket for `pipeline` on a TCP port beside the worker's gRPC one (and a local socket)."""
 
     def __init__(self, pipeline: RoundPipeline, heartbeat_s: float = HEARTBEAT_INTERVAL_S,
                  silence_timeout_s: float = SILENCE_TIMEOUT_S) -> None:
@@ -82,7 +83,7 @@ class StepSocket(StepListener):
         self._pipeline = pipeline
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
+        peer = peer_name(writer)
         sender = StepSender(writer.get_extra_info("socket"))
         frames = FrameReader(reader)
 

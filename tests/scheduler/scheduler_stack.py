@@ -57,6 +57,7 @@ async def running_stack(store: StateStore | None = None, step_delay_s: float = 0
     service = await start_grpc("127.0.0.1:0", lambda s: register(s, servicer), [SERVICE_NAME])
     step_socket = StepSocket(servicer, **socket_timeouts)
     servicer.step_port = await step_socket.start("127.0.0.1", 0)
+    servicer.step_local_socket = step_socket.local_name
     starter = asyncio.create_task(engine.start())
     channel = grpc.aio.insecure_channel(service.address)
     try:

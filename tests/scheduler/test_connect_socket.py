@@ -212,6 +212,7 @@ async def test_the_frontends_client_streams_on_the_socket_and_resumes_a_cut_conn
     async with running_stack(step_delay_s=0.01) as stack:
         relay = _Relay(stack.step_port)
         stack.servicer.step_port = await relay.start()  # the scheduler announces the relay
+        stack.servicer.step_local_socket = ""  # (the scheduler's own would answer)
         client = SchedulerClient(stack.service.address, backoff_initial_s=0.01)
         client.start()
         try:
@@ -235,6 +236,7 @@ async def test_the_frontends_client_falls_back_to_grpc_where_the_socket_cannot_b
         caplog: pytest.LogCaptureFixture) -> None:
     async with running_stack() as stack:
         stack.servicer.step_port = free_port()  # announced, but nothing listens there
+        stack.servicer.step_local_socket = ""  # (the scheduler's own would answer)
         client = SchedulerClient(stack.service.address, backoff_initial_s=0.01)
         client.start()
         try:
@@ -259,6 +261,7 @@ async def test_the_frontends_client_goes_over_grpc_where_the_socket_takes_connec
     async with running_stack() as stack:
         dropper = await asyncio.start_server(drop, "127.0.0.1", 0)
         stack.servicer.step_port = dropper.sockets[0].getsockname()[1]
+        stack.servicer.step_local_socket = ""  # (the scheduler's own would answer)
         try:
             async with _ready_client(stack.service.address) as client, asyncio.timeout(20):
                 assert await _generate(client, "r", [5, 6], 10) == _expected([5, 6], 10)
@@ -276,6 +279,7 @@ async def test_the_frontends_client_reconnects_after_a_step_message_it_cannot_ha
     async with running_stack() as stack:
         relay = _Relay(stack.step_port, bad_steps=(b"\xff\xff\xff", unknown_stop.SerializeToString()))
         stack.servicer.step_port = await relay.start()
+        stack.servicer.step_local_socket = ""  # (the scheduler's own would answer)
         try:
             async with _ready_client(stack.service.address) as client, asyncio.timeout(20):
                 assert await _generate(client, "r", [5, 6], 10) == _expected([5, 6], 10)

@@ -32,7 +32,8 @@ async def worker_service(worker: Worker, step_socket: bool = False) -> AsyncIter
     steps = StepSocket(pipeline)
     info = worker.info
     if step_socket:
-        info = dataclasses.replace(info, step_port=await steps.start("127.0.0.1", 0))
+        info = dataclasses.replace(info, step_port=await steps.start("127.0.0.1", 0),
+                                   step_local_socket=steps.local_name)
     servicer.attach(info, pipeline)
     await service.set_serving([SERVICE_NAME])
     try:

@@ -8,6 +8,7 @@ must end the stream with Execute's status, and nothing a peer does may stop the 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -27,6 +28,7 @@ from shared.execute_wire import execute_request_to_proto
 from shared.ports import free_port
 from shared.sampling import SamplingOptions
 from shared.step_frames import END, HEADER, REQUEST, frame, parse_end
+from shared.step_listener import local_sockets_supported
 from tests.worker.grpc_worker import worker_service
 
 PROMPT = [0, 17, 99, 250, 311, 45, 46, 47]
@@ -194,14 +196,17 @@ async def test_a_peer_that_leaves_mid_round_frees_the_worker(port: int) -> None:
     assert len(steps) == 2
 
 
-async def _run_client(address: str, use_socket: bool, offered_port: int | None = None,
+async def _run_client(address: str, use_socket: bool, offered_port: int | None = None, local: bool = True,
                       ) -> tuple[list[StepOutput], list[str]]:
     """Two rounds through a WorkerClient, then the end of its stream: (steps, failures reported).
-    `offered_port`: the step socket's port as if the worker had offered that one instead."""
+    `offered_port`: the step socket's port as if the worker had offered that one instead (and no
+    local socket); `local=False`: as if the worker had offered no local socket."""
     client = WorkerClient(0, address, step_socket=use_socket)
     assert (await client.wait_ready()).step_port > 0
     if offered_port is not None:
         client._step_port = offered_port
+    if offered_port is not None or not local:
+        client._step_local_socket = ""
     outputs: list[StepOutput] = []
     failures: list[str] = []
     done = asyncio.Event()
@@ -221,16 +226,20 @@ async def _run_client(address: str, use_socket: bool, offered_port: int | None =
 
 
 async def test_the_scheduler_client_takes_the_step_socket_the_worker_offers(
-    worker: Worker, sending_threads: list[str]
+    worker: Worker, sending_threads: list[str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """WorkerClient reads the port from GetWorkerInfo and streams there; `step_socket=False` keeps gRPC."""
+    """WorkerClient reads the port and the local socket's name from GetWorkerInfo and streams on the
+    local socket, on the port where no name is offered; `step_socket=False` keeps gRPC."""
     async with worker_service(worker, step_socket=True) as address:
-        for use_socket in (True, False):
+        for use_socket, local in ((True, True), (True, False), (False, True)):
             sending_threads.clear()
-            outputs, failures = await _run_client(address, use_socket)
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="shared.step_dial"):
+                outputs, failures = await _run_client(address, use_socket, local=local)
             assert failures == [STREAM_CLOSED]
             assert [(s.round_id, s.step_index) for s in outputs] == [(0, 0), (0, 1), (1, 0), (1, 1)]
             assert bool(sending_threads) == use_socket
+            assert ("runs on its local socket" in caplog.text) == (use_socket and local and local_sockets_supported())
 
 
 @pytest.mark.parametrize("port", [QUICK_HEARTBEATS], indirect=True)
@@ -291,6 +300,7 @@ async def test_a_step_socket_that_drops_every_connection_sends_the_streams_over_
             client = WorkerClient(0, address)
             await client.wait_ready()
             client._step_port = dropper.sockets[0].getsockname()[1]
+            client._step_local_socket = ""  # (the worker's own would answer)
             for _ in range(4):
                 outputs: list[StepOutput] = []
                 done = asyncio.Event()
