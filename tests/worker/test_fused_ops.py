@@ -34,8 +34,8 @@ from services.worker.models.rope import RotaryEmbedding
 from services.worker.models.rope_scaling import RopeConfig
 from services.worker.worker import Worker
 from shared.types import RequestKind
-from tests.worker.test_packed_encoder import _pooled, _requests
-from tests.worker.test_paged_attention import ROWS, _case
+from tests.worker.attention_cases import ROWS, paged_case
+from tests.worker.pooling_cases import pooled_vectors, pooling_requests
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -155,7 +155,7 @@ def test_rotary_in_paged_attention_equals_rope_then_attention(
 ) -> None:
     """float32 q/k, and bf16 ones (--dtype bfloat16: RotaryEmbedding's bf16 ops round each product
     and sum, and so does the kernel): the same cache contents and outputs, bit for bit."""
-    cache, common, query, key, value, _, _ = _case(5, heads, kv_heads, head_dim, 16, cache_dtype)
+    cache, common, query, key, value, _, _ = paged_case(5, heads, kv_heads, head_dim, 16, cache_dtype)
     query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     positions = torch.cat([torch.arange(n - q, n) for n, q in ROWS])
     rope = RotaryEmbedding(_rope(head_dim, rotary_dim, 256))
@@ -166,13 +166,13 @@ def test_rotary_in_paged_attention_equals_rope_then_attention(
     q_rot, k_rot = rope(positions, query, key)
     want = backend.forward(spec, q_rot, k_rot, value, unfused_cache, meta)
     got = backend.forward_rotary(spec, query, key, value, fused_cache, meta, positions, rope.cos, rope.sin)
-    # Bit for bit; rows no pass wrote hold NaN in both (test_paged_attention's _case).
+    # Bit for bit; rows no pass wrote hold NaN in both (attention_cases.paged_case).
     torch.testing.assert_close(fused_cache, unfused_cache, rtol=0, atol=0, equal_nan=True)
     assert torch.equal(got, want)
 
 
 def test_rotary_rejects_positions_past_the_table() -> None:
-    cache, common, query, key, value, _, _ = _case(6, 4, 2, 32, 16, torch.float32)
+    cache, common, query, key, value, _, _ = paged_case(6, 4, 2, 32, 16, torch.float32)
     rope = RotaryEmbedding(_rope(32, 32, 64))  # rows reach position 129
     backend = create(16)
     meta = backend.metadata_builder().build(common, [])
@@ -319,10 +319,10 @@ def test_encoder_fused_path_keeps_the_vectors(minilm_dir: Path, encoder_matmul: 
         return kernel(*args)
 
     monkeypatch.setattr(torch.ops.spindle, "add_layer_norm", counted)
-    requests = _requests(RequestKind.EMBED)
-    fused = _pooled(worker, requests)
+    requests = pooling_requests(RequestKind.EMBED)
+    fused = pooled_vectors(worker, requests)
     assert calls == [encoder_matmul == "bfloat16"] * (2 * len(model.layers))  # both norms of every layer
     model.use_fused_kernels(False)
-    unfused = _pooled(worker, requests)
+    unfused = pooled_vectors(worker, requests)
     assert len(calls) == 2 * len(model.layers)  # torch's ops now
     assert F.cosine_similarity(fused, unfused).min() > 0.99999

@@ -20,12 +20,10 @@ from services.worker.config import WorkerConfig
 from services.worker.kernels.build import kernels_error
 from services.worker.models.bert import EncoderNorm
 from services.worker.models.prepacked_linear import PrepackedLinear, gemm_rows
-from services.worker.step_output import PooledStep
 from services.worker.worker import Worker
-from shared.execute import ExecuteRound, PoolingRequestData
 from shared.types import RequestKind
+from tests.worker.pooling_cases import LENS, pooled_vectors, pooling_requests
 
-LENS = [1, 200, 3, 64, 17, 2]  # very different lengths in one batch
 HEADS, DIM = 4, 8
 SPEC = LayerAttentionSpec(HEADS, HEADS, DIM, DIM**-0.5)
 
@@ -139,15 +137,15 @@ def test_bf16_gemm_layers_hand_qkv_over_in_bf16_with_the_same_vectors(minilm_dir
     """Under bf16 GEMM inputs the qkv projection's bf16 result goes to the kernel as it is: the
     vectors are bit for bit those of widening it to float32 first."""
     worker = Worker(WorkerConfig(model=str(minilm_dir), num_threads=2, encoder_matmul="bfloat16"))
-    requests = _requests(RequestKind.EMBED)
+    requests = pooling_requests(RequestKind.EMBED)
     attention = worker.model.layers[0].attention
     assert worker.model.layers[0].qkv_proj.bf16_inputs and attention.batch_kernel is not False
     seen: list[torch.dtype] = []  # what attention hands to o_proj: bf16 when qkv went in as bf16
     hook = worker.model.layers[0].o_proj.register_forward_pre_hook(lambda _m, args: seen.append(args[0].dtype))
-    narrow = _pooled(worker, requests)
+    narrow = pooled_vectors(worker, requests)
     for layer in worker.model.layers:  # qkv widened to float32 whatever the layer asks: the same kernel after it
         layer.qkv_proj.forward = partial(_widened, layer.qkv_proj)  # type: ignore[method-assign]
-    widened = _pooled(worker, requests)
+    widened = pooled_vectors(worker, requests)
     hook.remove()
     assert seen == [torch.bfloat16, torch.float32]
     assert torch.equal(narrow, widened)
@@ -207,20 +205,6 @@ def test_attention_outside_the_cpu_uses_the_backend_layout() -> None:
     assert not isinstance(attention.metadata_builder(torch.device("meta")), PackedEncoderMetadataBuilder)
 
 
-def _requests(kind: RequestKind) -> list[PoolingRequestData]:
-    gen = np.random.default_rng(1)
-    return [
-        PoolingRequestData(f"r{i}", kind, gen.integers(5, 1000, n).tolist(), [], False) for i, n in enumerate(LENS)
-    ]
-
-
-def _pooled(worker: Worker, requests: list[PoolingRequestData]) -> torch.Tensor:
-    steps: list[PooledStep] = []
-    worker.runner.execute_round(ExecuteRound(0, pooling_requests=requests), steps.append)
-    assert steps[0].values is not None
-    return steps[0].values
-
-
 @pytest.mark.parametrize(("model_fixture", "kind"), [("minilm_dir", RequestKind.EMBED),
                                                       ("cross_encoder_dir", RequestKind.SCORE)])
 def test_encoder_round_is_packed_end_to_end_and_equals_the_padded_layout(
@@ -245,8 +229,8 @@ def test_encoder_round_is_packed_end_to_end_and_equals_the_padded_layout(
     metas: list[object] = []
     layer = worker.model.layers[0]
     hooks.append(layer.register_forward_pre_hook(lambda _m, args: metas.append(args[2])))  # (x, x16, meta)
-    requests = _requests(kind)
-    packed = _pooled(worker, requests)
+    requests = pooling_requests(kind)
+    packed = pooled_vectors(worker, requests)
     for hook in hooks:
         hook.remove()
     assert isinstance(metas[0], PackedEncoderMetadata)
@@ -256,5 +240,5 @@ def test_encoder_round_is_packed_end_to_end_and_equals_the_padded_layout(
 
     runner = worker.runner
     runner.metadata_builder = worker.backend.metadata_builder()  # the padded layout, as before packing
-    padded = _pooled(worker, requests)
+    padded = pooled_vectors(worker, requests)
     torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)

@@ -18,72 +18,10 @@ import pytest
 import torch
 
 from services.worker.attention import resolve_backend_name
-from services.worker.attention.base import AttentionType, CommonAttentionMetadata, LayerAttentionSpec
+from services.worker.attention.base import LayerAttentionSpec
 from services.worker.attention.paged import create, work_items
 from services.worker.kernels import build
-
-# (sequence length after this pass, query tokens of this pass)
-ROWS = [(1, 1), (37, 1), (64, 1), (90, 40), (17, 17), (5, 2), (130, 1), (48, 33)]
-
-
-def _reference(q, k, v, first_pos, window, softcap, scale):
-    """q [n, H, D] at positions first_pos.., keys/values [L, Hkv, D] of the row (float64)."""
-    groups = q.shape[1] // k.shape[1]
-    k = k.double().repeat_interleave(groups, dim=1)
-    v = v.double().repeat_interleave(groups, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    if softcap:
-        scores = softcap * torch.tanh(scores / softcap)
-    pos = torch.arange(first_pos, first_pos + q.shape[0])[:, None]
-    keys = torch.arange(k.shape[0])[None, :]
-    allowed = keys <= pos
-    if window:
-        allowed &= keys > pos - window
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
-
-
-def _case(seed, heads, kv_heads, head_dim, block_size, dtype, rows=ROWS, head_major=False):
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-n // block_size) for n, _ in rows) + 5
-    # Rows no pass has written hold NaN: a kernel that reads one (to pad a block, a pair of keys)
-    # must not let it reach an output.
-    cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
-    if head_major:  # the same values, each block's heads apart in memory (kv_cache.py)
-        cache = cache.transpose(2, 3).contiguous().transpose(2, 3)
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    max_blocks = max(-(-n // block_size) for n, _ in rows)
-    tables = torch.zeros(len(rows), max_blocks + 2, dtype=torch.int64)  # wider than needed, as in a round
-    full_k, full_v, slots = [], [], []
-    for r, (n, q_len) in enumerate(rows):
-        nb = -(-n // block_size)
-        tables[r, :nb] = torch.tensor([perm.pop() for _ in range(nb)])
-        full_k.append(torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype))
-        full_v.append(torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype))
-        for pos in range(n):
-            slot = int(tables[r, pos // block_size]) * block_size + pos % block_size
-            if pos < n - q_len:  # history written by earlier passes
-                cache[:, slot // block_size, slot % block_size] = torch.stack([full_k[r][pos], full_v[r][pos]])
-            else:
-                slots.append(slot)
-    q_lens = np.array([q for _, q in rows])
-    seq_lens = np.array([n for n, _ in rows])
-    query = torch.randn(int(q_lens.sum()), heads, head_dim, generator=gen).to(dtype)
-    key = torch.cat([full_k[r][n - q :] for r, (n, q) in enumerate(rows)])
-    value = torch.cat([full_v[r][n - q :] for r, (n, q) in enumerate(rows)])
-    common = CommonAttentionMetadata(
-        attn_type=AttentionType.DECODER,
-        num_reqs=len(rows),
-        num_tokens=len(query),
-        max_query_len=int(q_lens.max()),
-        max_seq_len=int(seq_lens.max()),
-        query_start_loc=torch.from_numpy(np.concatenate(([0], np.cumsum(q_lens)))),
-        seq_lens=torch.from_numpy(seq_lens),
-        query_lens_host=q_lens,
-        seq_lens_host=seq_lens,
-        block_tables=tables,
-        slot_mapping=torch.tensor(slots),
-    )
-    return cache, common, query, key, value, full_k, full_v
+from tests.worker.attention_cases import ROWS, dense_reference, paged_case
 
 
 @pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
@@ -184,8 +122,8 @@ torch.save(_check_against_reference({args}), {str(tmp_path / "widened.pt")!r})
 
 def _check_against_reference(dtype, heads, kv_heads, head_dim, block_size, window, softcap, rows,
                              head_major=False) -> torch.Tensor:
-    """The kernel's output on `_case`'s inputs, checked row by row against the dense reference."""
-    cache, common, query, key, value, full_k, full_v = _case(0, heads, kv_heads, head_dim, block_size, dtype, rows,
+    """The kernel's output on `paged_case`'s inputs, checked row by row against the dense reference."""
+    cache, common, query, key, value, full_k, full_v = paged_case(0, heads, kv_heads, head_dim, block_size, dtype, rows,
                                                              head_major)
     layout = cache.stride()
     backend = create(block_size)
@@ -196,7 +134,7 @@ def _check_against_reference(dtype, heads, kv_heads, head_dim, block_size, windo
     assert out.dtype == dtype and out.shape == query.shape
     starts = common.query_start_loc.tolist()
     for r, (n, q_len) in enumerate(rows):
-        expected = _reference(query[starts[r] : starts[r + 1]], full_k[r], full_v[r], n - q_len, window, softcap,
+        expected = dense_reference(query[starts[r] : starts[r + 1]], full_k[r], full_v[r], n - q_len, window, softcap,
                               spec.scale)
         tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
         torch.testing.assert_close(out[starts[r] : starts[r + 1]].double(), expected, atol=tol, rtol=tol)
@@ -222,7 +160,7 @@ def _with_softcap(spec: LayerAttentionSpec, softcap: float):
 
 def test_bf16_query_over_fp32_cache_and_strided_value_view() -> None:
     """Mixed dtypes convert in the kernel; a value view of a fused qkv output is read as is."""
-    cache, common, query, key, value, full_k, full_v = _case(3, 4, 2, 32, 16, torch.float32)
+    cache, common, query, key, value, full_k, full_v = paged_case(3, 4, 2, 32, 16, torch.float32)
     fused = torch.cat([key, value], dim=-1)  # [T, Hkv, 2D]: value as a non-contiguous view
     value_view = fused[..., 32:]
     backend = create(16)
@@ -242,7 +180,7 @@ def test_fp32_queries_over_a_16_bit_cache(cache_dtype, heads, kv_heads, head_dim
     """--kv-cache-dtype: float32 queries, keys and values; the cache stores them rounded, and the
     output is float32 attention over the rounded keys and values (head_dim 20: a row that is not
     a whole number of 8-wide vectors, for the F16C widening's tail)."""
-    cache, common, query, key, value, full_k, full_v = _case(4, heads, kv_heads, head_dim, 8, cache_dtype,
+    cache, common, query, key, value, full_k, full_v = paged_case(4, heads, kv_heads, head_dim, 8, cache_dtype,
                                                              head_major=head_major)
     query, key, value = query.float(), key.float(), value.float()  # rounded values: the cache holds them exactly
     backend = create(8)
@@ -251,7 +189,7 @@ def test_fp32_queries_over_a_16_bit_cache(cache_dtype, heads, kv_heads, head_dim
     assert out.dtype == torch.float32 and cache.dtype == cache_dtype
     starts = common.query_start_loc.tolist()
     for r, (n, q_len) in enumerate(ROWS):
-        expected = _reference(query[starts[r] : starts[r + 1]], full_k[r], full_v[r], n - q_len, window, None,
+        expected = dense_reference(query[starts[r] : starts[r + 1]], full_k[r], full_v[r], n - q_len, window, None,
                               spec.scale)
         torch.testing.assert_close(out[starts[r] : starts[r + 1]].double(), expected, atol=1e-5, rtol=1e-5)
     slots = common.slot_mapping
