@@ -51,6 +51,7 @@ POD_NETWORK = "127.77.0"
 # The image's PATH is /opt/spindle/bin first: here that venv is ours.
 LOCAL_PATH = f"{BIN}:/usr/local/bin:/usr/bin:/bin"
 _VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+PORT_WAIT_S = 30.0  # how long a chart port held by another connection of the host may take to free
 
 
 class WiringError(AssertionError):
@@ -88,6 +89,17 @@ class Pod:
         if self.log is None or not self.log.exists():
             return ""
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _bind_error(port: int) -> OSError | None:
+    """Why a server could not listen on `port` on every address now (None: it could)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError as exc:
+            return exc
+    return None
 
 
 def _cpus(quantity: str) -> float:
@@ -335,16 +347,18 @@ class LocalCluster:
 
     # -- running -----------------------------------------------------------------------
 
-    def check_ports_free(self) -> None:
+    def check_ports_free(self, wait_s: float = PORT_WAIT_S) -> None:
+        """Every chart port can be bound on this host, waiting up to `wait_s` for each: the chart's
+        ports lie inside the kernel's ephemeral range, where any outgoing connection of the host (a
+        package download, a test's client) may hold one for a while."""
         for pod in self.pods:
             for item in pod.container.get("ports", []):
-                with socket.socket() as sock:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    try:
-                        sock.bind(("0.0.0.0", item["containerPort"]))
-                    except OSError as exc:
+                deadline = time.monotonic() + wait_s
+                while (error := _bind_error(item["containerPort"])) is not None:
+                    if time.monotonic() > deadline:
                         raise WiringError(f"port {item['containerPort']} ({pod.name} {item['name']}) is in use "
-                                          f"on this host: {exc}") from None
+                                          f"on this host: {error}")
+                    time.sleep(0.5)
 
     def start(self) -> None:
         for pod in self.pods:
