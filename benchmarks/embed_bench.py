@@ -7,8 +7,10 @@ client with one sentence per request at each --concurrency and, for "spindle-bat
 request. Both sides use every core and see the same tokens (truncate=true at the model's
 max_seq_length; each response's usage.prompt_tokens is checked against this process's count),
 and each spindle vector's cosine with sentence-transformers' is reported as a correctness check.
-Prints a table with the ratio of each row's sentences/s to sentence-transformers' and writes
-JSON to benchmarks/results/. Compare ratios within one run only. sentence-transformers is timed
+Prints a table with the ratio of each row's sentences/s to sentence-transformers', the worker's
+time by step phase and each process's CPU per request (the services, the launcher and this
+process as the load client: at one request in flight all of it is latency the model waits
+through), and writes JSON to benchmarks/results/. Compare ratios within one run only. sentence-transformers is timed
 first (its vectors are the reference) and again last, and the ratios are to the mean of the two:
 on the shared 2-core host its speed moved 39.5-47.6 sentences/s across runs within half an hour.
 

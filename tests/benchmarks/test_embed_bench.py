@@ -166,6 +166,17 @@ def test_worker_busy_section_shows_phase_shares_and_idle() -> None:
     assert "step phase" not in format_table(rows[:1])  # nothing measured, no section
 
 
+def test_cpu_section_shows_each_process_per_request() -> None:
+    cpu = {"worker": 23.08, "frontend": 1.63, "load client": 1.06}
+    rows = [EmbedRow(ST, 32, 32, 100, 100, 2.0, 10_000),
+            EmbedRow(SPINDLE, 1, 1, 100, 100, 1.5, 10_000, cpu_ms_per_request=cpu)]
+    table = format_table(rows)
+    assert "| worker | frontend | load client |" in table
+    assert f"| {SPINDLE} | 1 | 23.08 | 1.63 | 1.06 |" in table
+    assert rows_to_json(rows)[1]["cpu_ms_per_request"] == cpu
+    assert "CPU ms per request" not in format_table(rows[:1])  # nothing measured, no section
+
+
 def test_plan_times_sentence_transformers_first_and_last() -> None:
     settings = EmbedSettings(model_dir="m", concurrencies=(1, 32), batch_size=16, batch_concurrencies=(2,),
                              configs=(SPINDLE_BATCHED, SPINDLE, ST))

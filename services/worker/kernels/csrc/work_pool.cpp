@@ -42,6 +42,15 @@
 // 652-744); SPINDLE_NUM_THREADS=1, which leaves the second core to the host (one stream 660 /
 // 688 against 749 / 722, 64 streams 3,214 / 2,976 against 3,728 / 3,287).
 //
+// Also tried and not kept (2026-12-08, Zen 4): the caller taking over a chunk a helper had held
+// for 3x the caller's own chunk time (the helper then refused its stores, and a job held what
+// its chunks read until its last thread left). Against three processes that each burned 0.28 ms
+// every 5.5 ms, the medium bf16 model's in-process decode step no longer slowed at all (without
+// it: +0.5 ms), but served it gained nothing: medium bf16 one stream +8 ms (95 % CI -10..+27) of
+// 860 ms a request, small fp32 +1.6 ms (+0.4..+2.6) of 83, slower (`benchmarks.paired`). Served,
+// the caller waited ~0.4 ms a token for claimed chunks, but in many short waits: the services
+// preempt helpers for tens of us, not the scheduler slices the takeover could cut short.
+//
 // Helpers run at SCHED_IDLE (SPINDLE_DISABLE_IDLE_HELPERS=1: the default policy), so any other
 // thread that wakes on a helper's core takes it at once, and the caller takes the chunks the
 // helper leaves. Throughput alone did not show it (64 streams 3,769 / 3,530 against 3,728 /
