@@ -35,7 +35,6 @@ import asyncio
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import time
@@ -45,7 +44,7 @@ from functools import partial
 
 from benchmarks.cli_args import comma_list
 from shared.grpc_io import LEGACY_POLLING_EXPERIMENTS
-from shared.step_listener import local_address
+from shared.step_listener import serve_local
 
 TRANSPORTS = ("grpc", "grpc-event-engine", "stream", "step-socket", "step-socket-local")
 # GRPC_EXPERIMENTS of each child (None: unset), fixed before it imports grpc: gRPC reads its
@@ -170,11 +169,7 @@ async def _serve_once(port: int, ready: int,
         finished.set()
 
     if local:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(local_address(_local_name(port)))
-        sock.listen(1)
-        sock.setblocking(False)
-        server = await asyncio.start_unix_server(serve, sock=sock)
+        server = await serve_local(serve, _local_name(port), backlog=1)
     else:
         server = await asyncio.start_server(serve, "127.0.0.1", port)
     os.write(ready, b"1")

@@ -22,6 +22,7 @@ import logging
 import secrets
 import socket
 import sys
+from collections.abc import Awaitable, Callable
 
 from shared.step_frames import HEARTBEAT_INTERVAL_S, SILENCE_TIMEOUT_S
 from shared.switches import switch_on
@@ -50,6 +51,21 @@ def peer_name(writer: asyncio.StreamWriter) -> str:
     return "a local process"
 
 
+async def serve_local(handler: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+                      name: str, backlog: int = 128) -> asyncio.Server:
+    """A server calling `handler` for each connection to the local socket `name`."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(local_address(name))
+        sock.listen(backlog)
+        sock.setblocking(False)
+        # (uvloop refuses an abstract path given as a string; a bound socket is taken as it is)
+        return await asyncio.start_unix_server(handler, sock=sock)
+    except BaseException:
+        sock.close()
+        raise
+
+
 class StepListener:
     """A TCP server on the service's listen host, beside its gRPC port, and the same on a local
     Unix socket; one `_serve` per connection."""
@@ -73,16 +89,7 @@ class StepListener:
 
     async def _start_local(self) -> str:
         name = LOCAL_NAME_PREFIX + secrets.token_hex(8)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind(local_address(name))
-            sock.listen(128)
-            sock.setblocking(False)
-            # (uvloop refuses an abstract path given as a string; a bound socket is taken as it is)
-            self._servers.append(await asyncio.start_unix_server(self._serve, sock=sock))
-        except BaseException:
-            sock.close()
-            raise
+        self._servers.append(await serve_local(self._serve, name))
         return name
 
     def close(self) -> None:
